@@ -80,7 +80,8 @@ class QualityHeadTrainer:
 
     Args:
         head: the head to train (updated in place).
-        lr, weight_decay: AdamW settings.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
         buffer_size: replay buffer capacity (examples).
         batch_size: mini-batch size drawn from the buffer.
         steps_per_update: optimizer steps per call to :meth:`update`.
