@@ -1,3 +1,51 @@
-"""MEASURE: per-token mismatch between the sparse sampler and the dense model."""
+"""MEASURE: per-token mismatch between the sparse sampler and the dense model.
 
-__all__: list[str] = []
+Log-probs from logits (chunked, no float32 copy of the whole vocabulary), per-token
+log-ratios and KL estimators, acceptance rates (exact and top-k), exact quantiles (global, per
+row, per position bin), streaming mergeable sketches, and a one-call summary with stable metric
+names, over one process or many.
+"""
+
+from .acceptance import acceptance_rate, acceptance_rate_topk
+from .logprobs import (
+    token_logprobs,
+    token_logprobs_and_entropy,
+    topk_logprobs,
+    truncated_token_logprobs,
+)
+from .metrics import (
+    LOG_RATIO_CLAMP,
+    chi2,
+    effective_sample_size,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    log_ratio,
+    sequence_log_ratio,
+)
+from .quantiles import binned_quantile, masked_quantile
+from .sketch import BinnedQuantileSketch, QuantileSketch
+from .summary import mismatch_metrics, quantile_name
+
+__all__ = [
+    "LOG_RATIO_CLAMP",
+    "BinnedQuantileSketch",
+    "QuantileSketch",
+    "acceptance_rate",
+    "acceptance_rate_topk",
+    "binned_quantile",
+    "chi2",
+    "effective_sample_size",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "log_ratio",
+    "masked_quantile",
+    "mismatch_metrics",
+    "quantile_name",
+    "sequence_log_ratio",
+    "token_logprobs",
+    "token_logprobs_and_entropy",
+    "topk_logprobs",
+    "truncated_token_logprobs",
+]
