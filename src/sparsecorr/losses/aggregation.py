@@ -1,0 +1,104 @@
+r"""How per-token losses become one scalar: the four aggregation modes of the RL trainers.
+
+With \(\ell_{i,t}\) the per-token loss, \(m_{i,t}\) the mask (after rejection), \(n_i = \sum_t
+m_{i,t}\), \(N = \sum_i n_i\), \(S = |\{i : n_i > 0\}|\) and \(L\) a fixed length:
+
+| mode | formula | used by |
+|---|---|---|
+| ``token-mean`` | \(\frac{1}{N}\sum_{i,t} m_{i,t}\,\ell_{i,t}\) | DAPO, verl default, OpenRLHF ``token_level_loss=True``, TRL ``dapo``/``bnpo`` |
+| ``seq-mean-token-mean`` | \(\frac{1}{S}\sum_i \frac{1}{n_i}\sum_t m_{i,t}\,\ell_{i,t}\) | GRPO paper, Sparse-RL, TRL ``grpo``, OpenRLHF ``token_level_loss=False`` |
+| ``seq-mean-token-sum`` | \(\frac{1}{S}\sum_i \sum_t m_{i,t}\,\ell_{i,t}\) | verl ``seq-mean-token-sum`` |
+| ``seq-mean-token-sum-norm`` | \(\frac{1}{S}\sum_i \frac{1}{L}\sum_t m_{i,t}\,\ell_{i,t}\) | Dr. GRPO (Liu et al. 2025), TRL ``dr_grpo`` |
+
+Every mode is a weighted sum \(\sum_{i,t} c_{i,t}\,\ell_{i,t}\);
+[`aggregation_coefficients`][sparsecorr.losses.aggregation_coefficients] returns \(c\). Rows with
+no valid token are skipped (they count in neither \(N\) nor \(S\)). Data-parallel callers pass
+the *global* \(N\) (``num_tokens``) or \(S\) (``num_sequences``) so that the per-rank losses sum
+to the loss of the whole batch (the per-sequence \(n_i\) is always local: a sequence lives on one
+rank).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_choice, check_mask
+
+__all__ = ["AGGREGATIONS", "aggregate", "aggregation_coefficients"]
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def _count(value: float | int | torch.Tensor | None, default: torch.Tensor, name: str) -> torch.Tensor:
+    if value is None:
+        return default
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name}: expected a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        return value.reshape(()).to(device=default.device, dtype=torch.float32)
+    if not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+    return torch.tensor(float(value), device=default.device)
+
+
+def aggregation_coefficients(
+    mask: torch.Tensor,
+    *,
+    mode: str = "token-mean",
+    num_tokens: float | torch.Tensor | None = None,
+    num_sequences: float | torch.Tensor | None = None,
+    norm_length: float | None = None,
+) -> torch.Tensor:
+    r"""Per-token coefficients \(c_{i,t}\) with ``loss = (c * token_loss).sum()`` (module table).
+
+    Args:
+        mask: bool, True = the token counts (rejected tokens already removed).
+        mode: one of :data:`AGGREGATIONS`.
+        num_tokens: global \(N\) for ``token-mean`` (default: ``mask.sum()``).
+        num_sequences: global \(S\) for the ``seq-mean-*`` modes (default: local non-empty rows).
+        norm_length: \(L\) for ``seq-mean-token-sum-norm`` (default: ``T``, the padded length;
+            pass the generation budget to match Dr. GRPO exactly).
+
+    Shapes:
+        mask: ``[B, T]`` -> ``[B, T]`` float32 (0 where mask is False).
+    """
+    check_choice("aggregation", mode, AGGREGATIONS)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        raise ValueError(f"mask: expected a [B, T] bool tensor, got {getattr(mask, 'dtype', type(mask))} "
+                         f"of shape {tuple(getattr(mask, 'shape', ()))}")
+    m = mask.float()
+    if mode == "token-mean":
+        n = _count(num_tokens, m.sum(), "num_tokens")
+        return m / n.clamp(min=1.0)
+    n_i = m.sum(dim=1, keepdim=True)
+    s = _count(num_sequences, (n_i > 0).float().sum(), "num_sequences").clamp(min=1.0)
+    if mode == "seq-mean-token-mean":
+        return m / (n_i.clamp(min=1.0) * s)
+    if mode == "seq-mean-token-sum":
+        return m / s
+    length = float(mask.shape[1]) if norm_length is None else float(norm_length)
+    if length <= 0:
+        raise ValueError(f"norm_length: expected a number > 0, got {norm_length!r}")
+    return m / (length * s)
+
+
+def aggregate(
+    token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str = "token-mean",
+    num_tokens: float | torch.Tensor | None = None,
+    num_sequences: float | torch.Tensor | None = None,
+    norm_length: float | None = None,
+) -> torch.Tensor:
+    """Aggregate a per-token loss to a scalar with one of the :data:`AGGREGATIONS` modes.
+
+    Masked positions are ignored even if they hold NaN/inf.
+
+    Shapes:
+        token_loss, mask: ``[B, T]`` -> ``[]`` float32.
+    """
+    check_mask(mask, token_loss)
+    coef = aggregation_coefficients(mask, mode=mode, num_tokens=num_tokens,
+                                    num_sequences=num_sequences, norm_length=norm_length)
+    return torch.where(mask, token_loss.float() * coef, 0.0).sum()

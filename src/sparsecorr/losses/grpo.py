@@ -1,0 +1,230 @@
+r"""``sparse_grpo``: decoupled three-policy PPO / GRPO for sparse rollouts.
+
+Tokens are sampled by the sparse sampler (``rollout_logp``), the dense model with rollout-time
+weights gives ``old_logp`` and the learner gives ``logp``. The loss of Sparse-RL (Luo et al.
+2026, arXiv 2601.10079) and decoupled PPO (Hilton et al. 2022) is, per kept token,
+
+\[
+\ell_t = -\,w_t \cdot \min\!\big(\rho_t A,\ \mathrm{clip}(\rho_t, 1-\varepsilon_l, 1+\varepsilon_h)\,A\big)
+\;+\; \beta\, k_3(\text{ref} \,\|\, \text{logp})_t,
+\]
+
+with \(\rho_t = \pi_\theta/\pi_\text{old}\) (``ratio_level="token"``) or the GSPO sequence ratio
+\(s_i = \exp(\frac{1}{n_i}\sum_t (\text{logp} - \text{old\_logp}))\) (``ratio_level="sequence"``,
+Zheng et al. 2025), \(w_t\) the detached IS weight of the ``correction`` (applied to
+\(\pi_\text{old}/\pi_\text{rollout}\)), and \(k_3 = e^{d} - d - 1\), \(d = \text{ref\_logp} -
+\text{logp}\) (Schulman 2020). Tokens the correction rejects leave both the numerator and the
+denominator; the scalar is one of the aggregation modes of :mod:`sparsecorr.losses.aggregation`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .._checks import check_choice, check_float_tensor, check_mask, check_positive, check_same_shape
+from ..mismatch import LOG_RATIO_CLAMP, mismatch_metrics
+from .aggregation import AGGREGATIONS, aggregation_coefficients
+from .output import LossOutput
+from .surrogate import clipped_objective, clipped_surrogate
+
+__all__ = ["sparse_grpo"]
+
+
+def _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp) -> None:
+    check_float_tensor("logp", logp, ndim=2)
+    check_float_tensor("old_logp", old_logp, ndim=2)
+    check_same_shape(logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, ref_logp=ref_logp)
+    for name, t in (("rollout_logp", rollout_logp), ("ref_logp", ref_logp)):
+        if t is not None:
+            check_float_tensor(name, t, ndim=2)
+    check_mask(mask, logp)
+    check_float_tensor("advantages", advantages)
+    b, t = logp.shape
+    if tuple(advantages.shape) not in ((b,), (b, t), (b, 1)):
+        raise ValueError(f"advantages: expected shape ({b},) or ({b}, {t}), got {tuple(advantages.shape)}")
+
+
+def _apply_correction(correction, logp, old_logp, rollout_logp, mask, advantages, acceptance):
+    """Return (weights float32 [B,T], kept mask, correction metrics)."""
+    from ..correction import Correction, CorrectionInputs  # correction is the layer below
+
+    if isinstance(correction, Correction):
+        corr = correction
+    elif callable(correction):
+        corr = correction(CorrectionInputs(old_logp=old_logp, rollout_logp=rollout_logp, mask=mask,
+                                           acceptance=acceptance, advantages=advantages,
+                                           logp=logp.detach()))
+    else:
+        raise ValueError(f"correction: expected a callable (CorrectionInputs) -> Correction or a "
+                         f"Correction, got {type(correction).__name__}")
+    if not isinstance(corr, Correction):
+        raise ValueError(f"correction: expected the callable to return a Correction, got {type(corr).__name__}")
+    check_same_shape(logp=logp, **{"correction.weights": corr.weights})
+    check_mask(corr.mask, logp, name="correction.mask")
+    kept = mask & corr.mask
+    return torch.where(kept, corr.weights.detach().float(), 0.0), kept, dict(corr.metrics)
+
+
+def _ratio_metrics(ratio, adv, kept, n, *, clip_low, clip_high, dual_clip) -> dict[str, torch.Tensor]:
+    def frac(x: torch.Tensor) -> torch.Tensor:
+        return (x & kept).sum() / n
+
+    big = torch.tensor(float("inf"), device=ratio.device)
+    out = {
+        "loss/clip_frac_low": frac((adv < 0) & (ratio < 1.0 - clip_low)),
+        "loss/clip_frac_high": frac((adv > 0) & (ratio > 1.0 + clip_high)),
+        "loss/ratio_mean": torch.where(kept, ratio, 0.0).sum() / n,
+        "loss/ratio_min": torch.where(kept, ratio, big).amin(),
+        "loss/ratio_max": torch.where(kept, ratio, -big).amax(),
+    }
+    if dual_clip is not None:
+        out["loss/clip_frac_dual"] = frac((adv < 0) & (ratio > dual_clip))
+    return out
+
+
+def _check_hparams(clip_low, clip_high, dual_clip, ratio_level, aggregation, kl_coef, ref_logp) -> None:
+    check_positive("clip_low", clip_low, allow_zero=True)
+    check_positive("clip_high", clip_high, allow_zero=True)
+    if clip_low >= 1:
+        raise ValueError(f"clip_low: expected a number in [0, 1), got {clip_low!r}")
+    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1):
+        raise ValueError(f"dual_clip: expected None or a number > 1, got {dual_clip!r}")
+    check_choice("ratio_level", ratio_level, ("token", "sequence"))
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_positive("kl_coef", kl_coef, allow_zero=True)
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"ref_logp: expected a [B, T] tensor when kl_coef > 0 (kl_coef={kl_coef!r}), got None")
+
+
+def sparse_grpo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    rollout_logp: torch.Tensor | None = None,
+    correction: Callable | object | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_level: str = "token",
+    aggregation: str = "token-mean",
+    num_tokens: float | torch.Tensor | None = None,
+    num_sequences: float | torch.Tensor | None = None,
+    norm_length: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    acceptance: torch.Tensor | None = None,
+    mismatch_quantiles: Sequence[float] = (),
+    validate: bool = True,
+) -> LossOutput:
+    r"""Decoupled three-policy PPO/GRPO loss with an optional sparse-rollout correction.
+
+    Without ``rollout_logp`` and ``correction`` this is plain GRPO/DAPO (clipped PPO on
+    \(\pi_\theta/\pi_\text{old}\)). With both, the correction's detached weights \(w_t\)
+    multiply each token's clipped term and its mask removes rejected tokens from numerator and
+    denominator. With ``rollout_logp`` but no correction, the loss is **not reweighted**: the
+    untruncated decoupled weight \(\pi_\text{old}/\pi_\text{rollout}\) has unbounded variance,
+    so the mismatch is only measured (``mismatch/*`` metrics) and non-finite rollout tokens are
+    masked and counted; pass e.g. ``correction=sparse_rl()`` to act on it.
+
+    A sequence rejected as a whole (vetoed) gets no gradient here; keep it out of the group
+    statistics as well by computing the correction first and passing
+    ``valid=correction.sequence_mask`` to
+    [`group_advantages`][sparsecorr.losses.group_advantages], then passing that ``Correction``
+    object itself as ``correction``.
+
+    Args:
+        logp: learner log-probs of the sampled tokens (carry the gradient).
+        old_logp: dense log-probs with the rollout-time weights.
+        advantages: per sequence ``[B]`` or per token ``[B, T]``.
+        mask: bool, True = the token counts.
+        rollout_logp: sparse sampler log-probs; required with ``correction``.
+        correction: a callable ``(CorrectionInputs) -> Correction`` (e.g. ``sparse_rl()``,
+            ``tis(cap=2.0)``) or an already computed ``Correction``.
+        clip_low, clip_high: \(\varepsilon_l, \varepsilon_h\) (0.2/0.2 PPO; 0.2/0.28 DAPO;
+            3e-4/4e-4 GSPO).
+        dual_clip: \(c > 1\) for dual-clip PPO on negative advantages (None: off).
+        ratio_level: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO: length-normalised
+            sequence ratio, one per row).
+        aggregation: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
+            ``seq-mean-token-sum-norm`` (see :mod:`sparsecorr.losses.aggregation`).
+        num_tokens: global count of *kept* tokens over data-parallel ranks (``token-mean``).
+        num_sequences: global count of sequences with a kept token (``seq-mean-*``).
+        norm_length: \(L\) of ``seq-mean-token-sum-norm`` (default ``T``).
+        ref_logp: reference-model log-probs for the k3 KL penalty / metric.
+        kl_coef: \(\beta\) (Sparse-RL: 1e-4); the KL term is added on kept tokens, unweighted.
+        acceptance: optional per-token acceptance rate, passed to the correction and metrics.
+        mismatch_quantiles: log-ratio quantiles to report (each one sorts the batch: off by
+            default in the training step).
+        validate: check shapes and dtypes (set False in a hot loop once inputs are trusted).
+
+    Returns:
+        ``LossOutput(loss, token_loss, metrics, mask)``; metrics: ``loss/*`` (clip fractions
+        low/high/dual, ratio mean/min/max, ``ppo_kl_k1_mean``, ``kl_ref_k3_mean``, ``tokens``,
+        ``sequences``, ``weight_mean``, ``nonfinite_rollout``), ``correction/*`` and
+        ``mismatch/*`` when a rollout is given.
+
+    Shapes:
+        logp, old_logp, rollout_logp, ref_logp, acceptance, mask: ``[B, T]``;
+        advantages: ``[B]`` or ``[B, T]`` -> loss ``[]``, token_loss/mask ``[B, T]``.
+    """
+    _check_hparams(clip_low, clip_high, dual_clip, ratio_level, aggregation, kl_coef, ref_logp)
+    if correction is not None and rollout_logp is None:
+        raise ValueError("rollout_logp: expected the sparse sampler's [B, T] log-probs when a "
+                         "correction is given, got None (a correction cannot act without them)")
+    if validate:
+        _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp)
+    adv = advantages.float()
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    metrics: dict[str, torch.Tensor] = {}
+    kept, weights = mask, None
+    if rollout_logp is not None:
+        finite = torch.isfinite(rollout_logp)
+        metrics["loss/nonfinite_rollout"] = (mask & ~finite).sum().float()
+        kept = mask & finite
+        if correction is not None:
+            weights, kept, corr_metrics = _apply_correction(
+                correction, logp, old_logp, rollout_logp, kept, advantages, acceptance)
+            metrics.update(corr_metrics)
+        metrics.update(mismatch_metrics(old_logp, rollout_logp, mask, acceptance=acceptance,
+                                        quantiles=tuple(mismatch_quantiles)))
+    if weights is None:
+        weights = kept.float()
+    old = torch.where(kept, old_logp.float(), 0.0)
+    lp = torch.where(kept, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
+    adv = torch.where(kept, adv, 0.0) if adv.shape[1] > 1 else adv
+    if ratio_level == "token":
+        token_loss, ratio = clipped_surrogate(lp, old, adv, weights, clip_low=clip_low,
+                                              clip_high=clip_high, dual_clip=dual_clip)
+    else:
+        n_i = kept.sum(dim=1, keepdim=True).clamp(min=1).float()
+        seq = ((lp.float() - old).sum(dim=1, keepdim=True) / n_i)
+        seq_ratio = seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        obj = clipped_objective(seq_ratio, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+        token_loss = -(weights * obj)
+        ratio = seq_ratio.detach().expand_as(token_loss)
+    coef = aggregation_coefficients(kept, mode=aggregation, num_tokens=num_tokens,
+                                    num_sequences=num_sequences, norm_length=norm_length)
+    with torch.no_grad():
+        n = kept.sum().float()
+        n1 = n.clamp(min=1.0)
+        metrics["loss/pg_loss"] = (token_loss.detach() * coef).sum()
+        metrics.update(_ratio_metrics(ratio, adv.expand_as(ratio), kept, n1, clip_low=clip_low,
+                                      clip_high=clip_high, dual_clip=dual_clip))
+        metrics["loss/ppo_kl_k1_mean"] = (old - lp.detach().float()).sum() / n1
+        metrics["loss/tokens"] = n
+        metrics["loss/sequences"] = kept.any(dim=1).sum().float()
+        metrics["loss/weight_mean"] = weights.sum() / n1
+    if ref_logp is not None:
+        d = torch.where(kept, ref_logp.float() - lp.float(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k3 = torch.expm1(d) - d
+        metrics["loss/kl_ref_k3_mean"] = k3.detach().sum() / n1
+        if kl_coef > 0:
+            token_loss = token_loss + kl_coef * k3
+    loss = (token_loss * coef).sum()
+    metrics["loss/loss"] = loss.detach()
+    return LossOutput(loss=loss, token_loss=token_loss,
+                      metrics={k: v.detach().float().reshape(()) for k, v in metrics.items()}, mask=kept)

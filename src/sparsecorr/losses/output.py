@@ -1,0 +1,32 @@
+"""The result of every loss in :mod:`sparsecorr.losses`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["LossOutput"]
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """A scalar loss, its per-token contributions and detached metrics.
+
+    Attributes:
+        loss: 0-d float32 tensor to call ``.backward()`` on (carries the gradient).
+        token_loss: ``[B, T]`` float32 per-token loss *before* aggregation (IS weight applied,
+            0 where ``mask`` is False); ``loss`` is a weighted sum of it whose weights depend
+            on the aggregation mode.
+        metrics: stable names -> detached 0-d float32 tensors (no host synchronisation).
+        mask: ``[B, T]`` bool, the tokens that entered the loss (input mask minus rejected and
+            non-finite tokens); ``None`` when a loss has no per-token mask.
+
+    Shapes:
+        loss: ``[]``; token_loss, mask: ``[B, T]``.
+    """
+
+    loss: torch.Tensor
+    token_loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    mask: torch.Tensor | None = None
