@@ -29,11 +29,11 @@ __all__ = [
     "truncated_token_logprobs",
 ]
 
-_CHUNK_BYTES = 32 * 1024 * 1024  # float32 bytes per chunk copy
+_CHUNK_BYTES = 8 * 1024 * 1024  # float32 bytes per chunk copy
 
 
 def default_chunk_rows(logits2d: torch.Tensor, *, copies: int = 2) -> int:
-    """Rows per chunk so ``copies`` float32 temporaries of a chunk stay within ~32 MiB each,
+    """Rows per chunk so ``copies`` float32 temporaries of a chunk stay within ~8 MiB each,
     and never above ~4% of the logits' own size."""
     rows, v = logits2d.shape
     budget = min(_CHUNK_BYTES, max(1, logits2d.numel() * logits2d.element_size() // 25))
