@@ -11,7 +11,8 @@ m_{i,t}\), \(N = \sum_i n_i\), \(S = |\{i : n_i > 0\}|\) and \(L\) a fixed lengt
 | ``seq-mean-token-sum-norm`` | \(\frac{1}{S}\sum_i \frac{1}{L}\sum_t m_{i,t}\,\ell_{i,t}\) | Dr. GRPO (Liu et al. 2025), TRL ``dr_grpo`` |
 
 Every mode is a weighted sum \(\sum_{i,t} c_{i,t}\,\ell_{i,t}\);
-[`aggregation_coefficients`][sparsecorr.losses.aggregation_coefficients] returns \(c\). Rows with
+[`aggregation_coefficients`][sparsecorr.losses.aggregation_coefficients] returns \(c\)
+and [`row_scales`][sparsecorr.losses.aggregation.row_scales] the \(r_i\) of \(c_{i,t} = m_{i,t} r_i\). Rows with
 no valid token are skipped (they count in neither \(N\) nor \(S\)). Data-parallel callers pass
 the *global* \(N\) (``num_tokens``) or \(S\) (``num_sequences``) so that the per-rank losses sum
 to the loss of the whole batch (the per-sequence \(n_i\) is always local: a sequence lives on one
@@ -24,7 +25,7 @@ import torch
 
 from .._checks import check_choice, check_mask
 
-__all__ = ["AGGREGATIONS", "aggregate", "aggregation_coefficients"]
+__all__ = ["AGGREGATIONS", "aggregate", "aggregation_coefficients", "row_scales"]
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -41,7 +42,7 @@ def _count(value: float | int | torch.Tensor | None, default: torch.Tensor, name
     return torch.tensor(float(value), device=default.device)
 
 
-def aggregation_coefficients(
+def row_scales(
     mask: torch.Tensor,
     *,
     mode: str = "token-mean",
@@ -49,7 +50,7 @@ def aggregation_coefficients(
     num_sequences: float | torch.Tensor | None = None,
     norm_length: float | None = None,
 ) -> torch.Tensor:
-    r"""Per-token coefficients \(c_{i,t}\) with ``loss = (c * token_loss).sum()`` (module table).
+    r"""Per-row scale \(r_i\) with \(c_{i,t} = m_{i,t}\, r_i\) (every mode is a row-scaled sum).
 
     Args:
         mask: bool, True = the token counts (rejected tokens already removed).
@@ -60,26 +61,46 @@ def aggregation_coefficients(
             pass the generation budget to match Dr. GRPO exactly).
 
     Shapes:
-        mask: ``[B, T]`` -> ``[B, T]`` float32 (0 where mask is False).
+        mask: ``[B, T]`` -> ``[B]`` float32.
     """
     check_choice("aggregation", mode, AGGREGATIONS)
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
         raise ValueError(f"mask: expected a [B, T] bool tensor, got {getattr(mask, 'dtype', type(mask))} "
                          f"of shape {tuple(getattr(mask, 'shape', ()))}")
-    m = mask.float()
+    b = mask.shape[0]
     if mode == "token-mean":
-        n = _count(num_tokens, m.sum(), "num_tokens")
-        return m / n.clamp(min=1.0)
-    n_i = m.sum(dim=1, keepdim=True)
+        n = _count(num_tokens, mask.sum().float(), "num_tokens")
+        return (1.0 / n.clamp(min=1.0)).expand(b)
+    n_i = mask.sum(dim=1).float()
     s = _count(num_sequences, (n_i > 0).float().sum(), "num_sequences").clamp(min=1.0)
     if mode == "seq-mean-token-mean":
-        return m / (n_i.clamp(min=1.0) * s)
+        return 1.0 / (n_i.clamp(min=1.0) * s)
     if mode == "seq-mean-token-sum":
-        return m / s
+        return (1.0 / s).expand(b)
     length = float(mask.shape[1]) if norm_length is None else float(norm_length)
     if length <= 0:
         raise ValueError(f"norm_length: expected a number > 0, got {norm_length!r}")
-    return m / (length * s)
+    return (1.0 / (length * s)).expand(b)
+
+
+def aggregation_coefficients(
+    mask: torch.Tensor,
+    *,
+    mode: str = "token-mean",
+    num_tokens: float | torch.Tensor | None = None,
+    num_sequences: float | torch.Tensor | None = None,
+    norm_length: float | None = None,
+) -> torch.Tensor:
+    r"""Per-token coefficients \(c_{i,t}\) with ``loss = (c * token_loss).sum()`` (module table).
+
+    Arguments as in :func:`row_scales`.
+
+    Shapes:
+        mask: ``[B, T]`` -> ``[B, T]`` float32 (0 where mask is False).
+    """
+    r = row_scales(mask, mode=mode, num_tokens=num_tokens, num_sequences=num_sequences,
+                   norm_length=norm_length)
+    return mask.float() * r[:, None]
 
 
 def aggregate(
@@ -99,6 +120,6 @@ def aggregate(
         token_loss, mask: ``[B, T]`` -> ``[]`` float32.
     """
     check_mask(mask, token_loss)
-    coef = aggregation_coefficients(mask, mode=mode, num_tokens=num_tokens,
-                                    num_sequences=num_sequences, norm_length=norm_length)
-    return torch.where(mask, token_loss.float() * coef, 0.0).sum()
+    r = row_scales(mask, mode=mode, num_tokens=num_tokens, num_sequences=num_sequences,
+                   norm_length=norm_length)
+    return (torch.where(mask, token_loss.float(), 0.0).sum(dim=1) * r).sum()

@@ -25,9 +25,9 @@ import torch
 
 from .._checks import check_choice, check_float_tensor, check_mask, check_positive, check_same_shape
 from ..mismatch import LOG_RATIO_CLAMP, mismatch_metrics
-from .aggregation import AGGREGATIONS, aggregation_coefficients
+from .aggregation import AGGREGATIONS, row_scales
 from .output import LossOutput
-from .surrogate import clipped_objective, clipped_surrogate
+from .surrogate import clipped_surrogate, ratio_bounds
 
 __all__ = ["sparse_grpo"]
 
@@ -67,21 +67,46 @@ def _apply_correction(correction, logp, old_logp, rollout_logp, mask, advantages
     return torch.where(kept, corr.weights.detach().float(), 0.0), kept, dict(corr.metrics)
 
 
-def _ratio_metrics(ratio, adv, kept, n, *, clip_low, clip_high, dual_clip) -> dict[str, torch.Tensor]:
-    def frac(x: torch.Tensor) -> torch.Tensor:
-        return (x & kept).sum() / n
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``isfinite`` in two passes (``|x| < inf`` is False for NaN and ±inf)."""
+    return x.abs() < float("inf")
 
-    big = torch.tensor(float("inf"), device=ratio.device)
-    out = {
-        "loss/clip_frac_low": frac((adv < 0) & (ratio < 1.0 - clip_low)),
-        "loss/clip_frac_high": frac((adv > 0) & (ratio > 1.0 + clip_high)),
-        "loss/ratio_mean": torch.where(kept, ratio, 0.0).sum() / n,
-        "loss/ratio_min": torch.where(kept, ratio, big).amin(),
-        "loss/ratio_max": torch.where(kept, ratio, -big).amax(),
-    }
-    if dual_clip is not None:
-        out["loss/clip_frac_dual"] = frac((adv < 0) & (ratio > dual_clip))
+
+def _clip_metrics(kept, active, adv, ratio, *, n, dual_clip) -> dict[str, torch.Tensor]:
+    """Fractions of kept tokens on the clipped (zero-gradient) branch, by side."""
+    clipped = kept & ~active
+    neg = adv < 0
+    c_neg = (clipped & neg).sum().float()
+    c_all = clipped.sum().float()
+    out = {"loss/clip_frac_high": (c_all - c_neg) / n}
+    if dual_clip is None:
+        out["loss/clip_frac_low"] = c_neg / n
+    else:
+        c_dual = (clipped & neg & (ratio > 1.0)).sum().float()
+        out["loss/clip_frac_low"] = (c_neg - c_dual) / n
+        out["loss/clip_frac_dual"] = c_dual / n
     return out
+
+
+def _ratio_stats(ratio: torch.Tensor, kept: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
+    inf = torch.tensor(float("inf"), device=ratio.device)
+    return {
+        "loss/ratio_mean": torch.where(kept, ratio, 0.0).sum() / n,
+        "loss/ratio_min": torch.where(kept, ratio, inf).amin(),
+        "loss/ratio_max": torch.where(kept, ratio, -inf).amax(),
+    }
+
+
+def _sequence_surrogate(logp, old_logp, kept, adv, weights, *, clip_low, clip_high, dual_clip):
+    """GSPO: one length-normalised ratio per row (plain autograd; ``[B, 1]`` tensors are cheap)."""
+    raw = torch.where(kept, logp.float() - old_logp.float(), 0.0)
+    n_i = kept.sum(dim=1, keepdim=True).clamp(min=1).float()
+    ratio = (raw.sum(dim=1, keepdim=True) / n_i).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    lo, hi = ratio_bounds(adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    clipped = torch.clamp(ratio, lo, hi)
+    token_loss = weights * adv.neg() * clipped
+    r = ratio.detach()
+    return token_loss, r.expand_as(token_loss), (clipped.detach() == r).expand_as(token_loss), raw.detach().sum()
 
 
 def _check_hparams(clip_low, clip_high, dual_clip, ratio_level, aggregation, kl_coef, ref_logp) -> None:
@@ -177,12 +202,10 @@ def sparse_grpo(
                          "correction is given, got None (a correction cannot act without them)")
     if validate:
         _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp)
-    adv = advantages.float()
-    adv = adv[:, None] if adv.dim() == 1 else adv
     metrics: dict[str, torch.Tensor] = {}
     kept, weights = mask, None
     if rollout_logp is not None:
-        finite = torch.isfinite(rollout_logp)
+        finite = _finite(rollout_logp)
         metrics["loss/nonfinite_rollout"] = (mask & ~finite).sum().float()
         kept = mask & finite
         if correction is not None:
@@ -193,38 +216,31 @@ def sparse_grpo(
                                         quantiles=tuple(mismatch_quantiles)))
     if weights is None:
         weights = kept.float()
-    old = torch.where(kept, old_logp.float(), 0.0)
-    lp = torch.where(kept, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
-    adv = torch.where(kept, adv, 0.0) if adv.shape[1] > 1 else adv
-    if ratio_level == "token":
-        token_loss, ratio = clipped_surrogate(lp, old, adv, weights, clip_low=clip_low,
-                                              clip_high=clip_high, dual_clip=dual_clip)
-    else:
-        n_i = kept.sum(dim=1, keepdim=True).clamp(min=1).float()
-        seq = ((lp.float() - old).sum(dim=1, keepdim=True) / n_i)
-        seq_ratio = seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-        obj = clipped_objective(seq_ratio, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
-        token_loss = -(weights * obj)
-        ratio = seq_ratio.detach().expand_as(token_loss)
-    coef = aggregation_coefficients(kept, mode=aggregation, num_tokens=num_tokens,
-                                    num_sequences=num_sequences, norm_length=norm_length)
+    adv = advantages.float()
+    adv = adv[:, None] if adv.dim() == 1 else torch.where(kept, adv, 0.0)
+    surrogate = clipped_surrogate if ratio_level == "token" else _sequence_surrogate
+    token_loss, ratio, active, log_ratio_sum = surrogate(
+        logp, old_logp, kept, adv, weights, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    scales = row_scales(kept, mode=aggregation, num_tokens=num_tokens, num_sequences=num_sequences,
+                        norm_length=norm_length)
     with torch.no_grad():
         n = kept.sum().float()
         n1 = n.clamp(min=1.0)
-        metrics["loss/pg_loss"] = (token_loss.detach() * coef).sum()
-        metrics.update(_ratio_metrics(ratio, adv.expand_as(ratio), kept, n1, clip_low=clip_low,
-                                      clip_high=clip_high, dual_clip=dual_clip))
-        metrics["loss/ppo_kl_k1_mean"] = (old - lp.detach().float()).sum() / n1
+        metrics.update(_clip_metrics(kept, active, adv, ratio, n=n1, dual_clip=dual_clip))
+        metrics.update(_ratio_stats(ratio, kept, n1))
+        metrics["loss/ppo_kl_k1_mean"] = -log_ratio_sum / n1
         metrics["loss/tokens"] = n
         metrics["loss/sequences"] = kept.any(dim=1).sum().float()
         metrics["loss/weight_mean"] = weights.sum() / n1
     if ref_logp is not None:
-        d = torch.where(kept, ref_logp.float() - lp.float(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        d = torch.where(kept, ref_logp.float() - logp.float(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         k3 = torch.expm1(d) - d
         metrics["loss/kl_ref_k3_mean"] = k3.detach().sum() / n1
         if kl_coef > 0:
+            metrics["loss/pg_loss"] = (token_loss.detach().sum(dim=1) * scales).sum()
             token_loss = token_loss + kl_coef * k3
-    loss = (token_loss * coef).sum()
+    loss = (token_loss.sum(dim=1) * scales).sum()
+    metrics.setdefault("loss/pg_loss", loss.detach())
     metrics["loss/loss"] = loss.detach()
     return LossOutput(loss=loss, token_loss=token_loss,
                       metrics={k: v.detach().float().reshape(()) for k, v in metrics.items()}, mask=kept)
