@@ -27,7 +27,7 @@ from .._checks import check_choice, check_float_tensor, check_mask, check_positi
 from ..mismatch import LOG_RATIO_CLAMP, mismatch_metrics
 from .aggregation import AGGREGATIONS, row_scales
 from .output import LossOutput
-from .surrogate import clipped_surrogate, ratio_bounds
+from .surrogate import Surrogate, clipped_surrogate, ratio_bounds
 
 __all__ = ["sparse_grpo"]
 
@@ -72,41 +72,50 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return x.abs() < float("inf")
 
 
-def _clip_metrics(kept, active, adv, ratio, *, n, dual_clip) -> dict[str, torch.Tensor]:
-    """Fractions of kept tokens on the clipped (zero-gradient) branch, by side."""
-    clipped = kept & ~active
-    neg = adv < 0
-    c_neg = (clipped & neg).sum().float()
-    c_all = clipped.sum().float()
+def _clip_metrics(sur: Surrogate, adv: torch.Tensor, *, n, dual_clip) -> dict[str, torch.Tensor]:
+    """Fractions of kept tokens on the clipped (zero-gradient) branch, by side of the clip."""
+    t = sur.unclipped.shape[1]
+    clipped_rows = t - sur.unclipped.sum(dim=1)  # not-kept entries count as unclipped
+    c_all = clipped_rows.sum().float()
+    if adv.shape[1] == 1:
+        c_neg = (clipped_rows * (adv[:, 0] < 0)).sum().float()
+    else:
+        c_neg = (~sur.unclipped & (adv < 0)).sum().float()
     out = {"loss/clip_frac_high": (c_all - c_neg) / n}
     if dual_clip is None:
         out["loss/clip_frac_low"] = c_neg / n
     else:
-        c_dual = (clipped & neg & (ratio > 1.0)).sum().float()
+        c_dual = (~sur.unclipped & (adv < 0) & (sur.ratio > 1.0)).sum().float()
         out["loss/clip_frac_low"] = (c_neg - c_dual) / n
         out["loss/clip_frac_dual"] = c_dual / n
     return out
 
 
-def _ratio_stats(ratio: torch.Tensor, kept: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
-    inf = torch.tensor(float("inf"), device=ratio.device)
-    return {
-        "loss/ratio_mean": torch.where(kept, ratio, 0.0).sum() / n,
-        "loss/ratio_min": torch.where(kept, ratio, inf).amin(),
-        "loss/ratio_max": torch.where(kept, ratio, -inf).amax(),
-    }
+def _ratio_stats(sur: Surrogate, kept: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean, min and max of the PPO ratio over kept tokens (ratio is 1 elsewhere)."""
+    n1 = n.clamp(min=1.0)
+    mean = (sur.ratio_sum - (kept.numel() - n)) / n1
+    lo, hi = torch.aminmax(torch.where(kept, sur.ratio, mean))  # the mean lies inside [min, max]
+    nan = torch.tensor(float("nan"), device=mean.device)
+    empty = n == 0
+    return {"loss/ratio_mean": mean, "loss/ratio_min": torch.where(empty, nan, lo),
+            "loss/ratio_max": torch.where(empty, nan, hi)}
 
 
-def _sequence_surrogate(logp, old_logp, kept, adv, weights, *, clip_low, clip_high, dual_clip):
+def _sequence_surrogate(logp, old_logp, kept, adv, weights, scales, *, clip_low, clip_high,
+                        dual_clip) -> Surrogate:
     """GSPO: one length-normalised ratio per row (plain autograd; ``[B, 1]`` tensors are cheap)."""
     raw = torch.where(kept, logp.float() - old_logp.float(), 0.0)
     n_i = kept.sum(dim=1, keepdim=True).clamp(min=1).float()
     ratio = (raw.sum(dim=1, keepdim=True) / n_i).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     lo, hi = ratio_bounds(adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
     clipped = torch.clamp(ratio, lo, hi)
-    token_loss = weights * adv.neg() * clipped
-    r = ratio.detach()
-    return token_loss, r.expand_as(token_loss), (clipped.detach() == r).expand_as(token_loss), raw.detach().sum()
+    w = kept.float() if weights is None else weights
+    token_loss = w * adv.neg() * clipped
+    r = torch.where(kept, ratio.detach(), 1.0)
+    return Surrogate(token_loss=token_loss, loss=(token_loss.sum(dim=1) * scales).sum(), ratio=r,
+                     unclipped=(clipped.detach() == ratio.detach()) | ~kept,
+                     log_ratio_sum=raw.detach().sum(), ratio_sum=r.sum())
 
 
 def _check_hparams(clip_low, clip_high, dual_clip, ratio_level, aggregation, kl_coef, ref_logp) -> None:
@@ -214,33 +223,31 @@ def sparse_grpo(
             metrics.update(corr_metrics)
         metrics.update(mismatch_metrics(old_logp, rollout_logp, mask, acceptance=acceptance,
                                         quantiles=tuple(mismatch_quantiles)))
-    if weights is None:
-        weights = kept.float()
     adv = advantages.float()
     adv = adv[:, None] if adv.dim() == 1 else torch.where(kept, adv, 0.0)
-    surrogate = clipped_surrogate if ratio_level == "token" else _sequence_surrogate
-    token_loss, ratio, active, log_ratio_sum = surrogate(
-        logp, old_logp, kept, adv, weights, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
     scales = row_scales(kept, mode=aggregation, num_tokens=num_tokens, num_sequences=num_sequences,
                         norm_length=norm_length)
+    surrogate = clipped_surrogate if ratio_level == "token" else _sequence_surrogate
+    sur = surrogate(logp, old_logp, kept, adv, weights, scales, clip_low=clip_low,
+                    clip_high=clip_high, dual_clip=dual_clip)
+    token_loss, loss = sur.token_loss, sur.loss
     with torch.no_grad():
         n = kept.sum().float()
         n1 = n.clamp(min=1.0)
-        metrics.update(_clip_metrics(kept, active, adv, ratio, n=n1, dual_clip=dual_clip))
-        metrics.update(_ratio_stats(ratio, kept, n1))
-        metrics["loss/ppo_kl_k1_mean"] = -log_ratio_sum / n1
+        metrics.update(_clip_metrics(sur, adv, n=n1, dual_clip=dual_clip))
+        metrics.update(_ratio_stats(sur, kept, n))
+        metrics["loss/ppo_kl_k1_mean"] = -sur.log_ratio_sum / n1
         metrics["loss/tokens"] = n
         metrics["loss/sequences"] = kept.any(dim=1).sum().float()
-        metrics["loss/weight_mean"] = weights.sum() / n1
+        metrics["loss/weight_mean"] = n / n1 if weights is None else weights.sum() / n1
+        metrics["loss/pg_loss"] = loss.detach()
     if ref_logp is not None:
         d = torch.where(kept, ref_logp.float() - logp.float(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         k3 = torch.expm1(d) - d
         metrics["loss/kl_ref_k3_mean"] = k3.detach().sum() / n1
         if kl_coef > 0:
-            metrics["loss/pg_loss"] = (token_loss.detach().sum(dim=1) * scales).sum()
             token_loss = token_loss + kl_coef * k3
-    loss = (token_loss.sum(dim=1) * scales).sum()
-    metrics.setdefault("loss/pg_loss", loss.detach())
+            loss = loss + kl_coef * (k3.sum(dim=1) * scales).sum()
     metrics["loss/loss"] = loss.detach()
     return LossOutput(loss=loss, token_loss=token_loss,
                       metrics={k: v.detach().float().reshape(()) for k, v in metrics.items()}, mask=kept)

@@ -26,12 +26,13 @@ h)\), and the unclipped branch is active exactly where the clamp leaves \(\rho\)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..mismatch import LOG_RATIO_CLAMP
 
-__all__ = ["clipped_surrogate", "ratio_bounds"]
+__all__ = ["Surrogate", "clipped_surrogate", "ratio_bounds"]
 
 
 _EDGE = 1e-6  # keeps ratios pinned at e^{±20} on the clipped side (no gradient, as in autograd)
@@ -59,26 +60,59 @@ def ratio_bounds(
     return lo, hi
 
 
+@dataclass(frozen=True)
+class Surrogate:
+    r"""What :func:`clipped_surrogate` returns.
+
+    Attributes:
+        token_loss: ``[B, T]`` float32, 0 where not kept; carries the gradient to ``logp``.
+        loss: ``[]`` \(\sum_i r_i \sum_t \ell_{i,t}\) for the given row scales; carries the
+            gradient (cheaper to backpropagate than ``token_loss``).
+        ratio: ``[B, T]`` detached PPO ratio, 1 where not kept.
+        unclipped: ``[B, T]`` bool, True where the unclipped branch is active (the gradient
+            flows); True where not kept.
+        log_ratio_sum: ``[]`` sum of ``logp - old_logp`` over kept tokens.
+        ratio_sum: ``[]`` sum of ``ratio`` over all entries (kept ones plus 1 per other entry).
+    """
+
+    token_loss: torch.Tensor
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    unclipped: torch.Tensor
+    log_ratio_sum: torch.Tensor
+    ratio_sum: torch.Tensor
+
+
 class _Surrogate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, old_logp, kept, neg_wa, lo, hi):
+    def forward(ctx, logp, old_logp, kept, neg_wa, lo, hi, scales):
         with torch.no_grad():
             raw = torch.where(kept, logp.float() - old_logp, 0.0)
             log_ratio_sum = raw.sum()
             ratio = raw.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_()
+            ratio_sum = ratio.sum()
             clipped_ratio = torch.clamp(ratio, lo, hi)
             active = clipped_ratio == ratio
             token_loss = clipped_ratio.mul_(neg_wa)
+            loss = (token_loss.sum(dim=1) * scales).sum()
             grad = torch.where(active, token_loss, 0.0)
-        ctx.save_for_backward(grad)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(grad, scales)
         ctx.logp_dtype = logp.dtype
-        ctx.mark_non_differentiable(ratio, active, log_ratio_sum)
-        return token_loss, ratio, active, log_ratio_sum
+        ctx.mark_non_differentiable(ratio, active, log_ratio_sum, ratio_sum)
+        return token_loss, loss, ratio, active, log_ratio_sum, ratio_sum
 
     @staticmethod
-    def backward(ctx, grad_token_loss, _g_ratio, _g_active, _g_sum):
-        (grad,) = ctx.saved_tensors
-        return (grad_token_loss * grad).to(ctx.logp_dtype), None, None, None, None, None
+    def backward(ctx, g_token_loss, g_loss, *_):
+        grad, scales = ctx.saved_tensors
+        coef = None
+        if g_loss is not None:
+            coef = scales[:, None] * g_loss
+        if g_token_loss is not None:
+            coef = g_token_loss if coef is None else coef + g_token_loss
+        if coef is None:
+            return (None,) * 7
+        return (coef * grad).to(ctx.logp_dtype), None, None, None, None, None, None
 
 
 def clipped_surrogate(
@@ -86,26 +120,32 @@ def clipped_surrogate(
     old_logp: torch.Tensor,
     kept: torch.Tensor,
     advantages: torch.Tensor,
-    weights: torch.Tensor,
+    weights: torch.Tensor | None,
+    scales: torch.Tensor,
     *,
     clip_low: float,
     clip_high: float,
     dual_clip: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token-level weighted clipped surrogate, one fused autograd node.
+) -> Surrogate:
+    """Token-level weighted clipped surrogate and its aggregate, one fused autograd node.
 
     Masked positions may hold anything (NaN included): they give 0 and no gradient.
-    ``advantages`` (finite where kept) and ``weights`` (0 where not kept) are float32.
 
-    Returns:
-        ``(token_loss, ratio, unclipped, log_ratio_sum)``: float32 token loss (0 where not
-        kept) carrying the gradient to ``logp``; the detached PPO ratio (1 where not kept);
-        bool, True where the unclipped branch is active (the gradient flows); the sum of
-        ``logp - old_logp`` over kept tokens.
+    Args:
+        logp: learner log-probs (any float dtype; the gradient comes back in it).
+        old_logp: float32 dense log-probs.
+        kept: bool, the tokens in the loss.
+        advantages: float32, finite where kept.
+        weights: float32 IS weights, 0 where not kept; None = 1 on kept tokens.
+        scales: ``[B]`` row scales of the aggregation
+            ([`row_scales`][sparsecorr.losses.aggregation.row_scales]).
+        clip_low, clip_high, dual_clip: as in [`sparse_grpo`][sparsecorr.losses.sparse_grpo].
 
     Shapes:
-        logp, old_logp, kept, weights: ``[B, T]``; advantages ``[B, T]`` or ``[B, 1]``.
+        logp, old_logp, kept, weights: ``[B, T]``; advantages ``[B, T]`` or ``[B, 1]``;
+        scales ``[B]``.
     """
     lo, hi = ratio_bounds(advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
-    neg_wa = weights * advantages.neg()
-    return _Surrogate.apply(logp, old_logp, kept, neg_wa, lo, hi)
+    neg_adv = advantages.neg()
+    neg_wa = torch.where(kept, neg_adv, 0.0) if weights is None else weights * neg_adv
+    return Surrogate(*_Surrogate.apply(logp, old_logp, kept, neg_wa, lo, hi, scales))
