@@ -178,8 +178,8 @@ def sparse_grpo(
         rollout_logp: sparse sampler log-probs; required with ``correction``.
         correction: a callable ``(CorrectionInputs) -> Correction`` (e.g. ``sparse_rl()``,
             ``tis(cap=2.0)``) or an already computed ``Correction``.
-        clip_low, clip_high: \(\varepsilon_l, \varepsilon_h\) (0.2/0.2 PPO; 0.2/0.28 DAPO;
-            3e-4/4e-4 GSPO).
+        clip_low: \(\varepsilon_l\) (0.2 PPO and DAPO; 3e-4 GSPO).
+        clip_high: \(\varepsilon_h\) (0.2 PPO; 0.28 DAPO and Sparrow; 4e-4 GSPO).
         dual_clip: \(c > 1\) for dual-clip PPO on negative advantages (None: off).
         ratio_level: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO: length-normalised
             sequence ratio, one per row).

@@ -127,7 +127,7 @@ def clipped_surrogate(
     clip_high: float,
     dual_clip: float | None,
 ) -> Surrogate:
-    """Token-level weighted clipped surrogate and its aggregate, one fused autograd node.
+    r"""Token-level weighted clipped surrogate and its aggregate, one fused autograd node.
 
     Masked positions may hold anything (NaN included): they give 0 and no gradient.
 
@@ -139,7 +139,9 @@ def clipped_surrogate(
         weights: float32 IS weights, 0 where not kept; None = 1 on kept tokens.
         scales: ``[B]`` row scales of the aggregation
             ([`row_scales`][sparsecorr.losses.aggregation.row_scales]).
-        clip_low, clip_high, dual_clip: as in [`sparse_grpo`][sparsecorr.losses.sparse_grpo].
+        clip_low: \(\varepsilon_l\), as in [`sparse_grpo`][sparsecorr.losses.sparse_grpo].
+        clip_high: \(\varepsilon_h\).
+        dual_clip: \(c > 1\) or None.
 
     Shapes:
         logp, old_logp, kept, weights: ``[B, T]``; advantages ``[B, T]`` or ``[B, 1]``;

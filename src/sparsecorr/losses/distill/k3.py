@@ -102,9 +102,11 @@ def distill_sparse_loss(
         mask: bool, True = the token counts. Tokens with a non-finite ``rollout_logp`` or
             ``dense_logp`` are dropped and counted (``distill/nonfinite``).
         kl_weight: \(\lambda\) (paper: 1e-3).
-        clip_low, clip_high, aggregation, num_tokens, num_sequences: as in
-            [`sparse_grpo`][sparsecorr.losses.sparse_grpo]; the k3 term is aggregated the
-            same way.
+        clip_low: as in [`sparse_grpo`][sparsecorr.losses.sparse_grpo].
+        clip_high: as in ``sparse_grpo``.
+        aggregation: as in ``sparse_grpo``; the k3 term is aggregated the same way.
+        num_tokens: global kept-token count (data parallel).
+        num_sequences: global count of rows with a kept token (data parallel).
 
     Returns:
         ``LossOutput``; metrics: the PPO term's ``loss/*`` plus ``distill/kl_k3_mean``,
