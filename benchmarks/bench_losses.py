@@ -78,6 +78,13 @@ def ours_plain(d):
     return out.metrics
 
 
+def ours_measure(d):
+    lp = d["logp"].clone().requires_grad_(True)
+    out = sparse_grpo(lp, d["old"], d["adv"], d["mask"], rollout_logp=d["rollout"])
+    out.loss.backward()
+    return out.metrics
+
+
 def naive(d):
     """Plain autograd, the obvious way: sparse_rl weights, clipped loss, a few metrics."""
     lp = d["logp"].clone().requires_grad_(True)
@@ -128,6 +135,7 @@ def openrlhf(d, module=[]):  # noqa: B006 - one PolicyLoss per process
 def bench_loss(b: int, t: int, rounds: int) -> str:
     d = make_inputs(b, t)
     impls = {"floor (exp-clamp-mul)": floor, "sparsecorr sparse_grpo, no correction": ours_plain,
+             "sparsecorr sparse_grpo + rollout_logp (mismatch metrics only)": ours_measure,
              "naive autograd sparse_rl + 3 metrics": naive, "TRL 1.16 loss + token_truncate IS": trl_like}
     if sparse_rl is not None:
         impls["sparsecorr sparse_grpo + sparse_rl() + all metrics"] = ours

@@ -151,6 +151,7 @@ def sparse_grpo(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     acceptance: torch.Tensor | None = None,
+    mismatch: bool = True,
     mismatch_quantiles: Sequence[float] = (),
     validate: bool = True,
 ) -> LossOutput:
@@ -191,6 +192,9 @@ def sparse_grpo(
         ref_logp: reference-model log-probs for the k3 KL penalty / metric.
         kl_coef: \(\beta\) (Sparse-RL: 1e-4); the KL term is added on kept tokens, unweighted.
         acceptance: optional per-token acceptance rate, passed to the correction and metrics.
+        mismatch: add :func:`~sparsecorr.mismatch.mismatch_metrics` (``mismatch/*``) when
+            ``rollout_logp`` is given (about two loss-passes of extra time: turn off on steps
+            that are not logged).
         mismatch_quantiles: log-ratio quantiles to report (each one sorts the batch: off by
             default in the training step).
         validate: check shapes and dtypes (set False in a hot loop once inputs are trusted).
@@ -221,8 +225,9 @@ def sparse_grpo(
             weights, kept, corr_metrics = _apply_correction(
                 correction, logp, old_logp, rollout_logp, kept, advantages, acceptance)
             metrics.update(corr_metrics)
-        metrics.update(mismatch_metrics(old_logp, rollout_logp, mask, acceptance=acceptance,
-                                        quantiles=tuple(mismatch_quantiles)))
+        if mismatch:
+            metrics.update(mismatch_metrics(old_logp, rollout_logp, mask, acceptance=acceptance,
+                                            quantiles=tuple(mismatch_quantiles)))
     adv = advantages.float()
     adv = adv[:, None] if adv.dim() == 1 else torch.where(kept, adv, 0.0)
     scales = row_scales(kept, mode=aggregation, num_tokens=num_tokens, num_sequences=num_sequences,

@@ -185,3 +185,14 @@ def test_token_loss_backward_matches_loss_backward():
     out2 = sparse_grpo(lp2, d["old_logp"], d["advantages"], d["mask"])
     (out2.token_loss.sum() / d["mask"].sum()).backward()  # token-mean by hand from token_loss
     torch.testing.assert_close(lp2.grad, lp1.grad)
+
+
+def test_mismatch_metrics_can_be_turned_off():
+    d = _batch()
+    on = sparse_grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
+                     mismatch_quantiles=(0.05,))
+    off = sparse_grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
+                      mismatch=False)
+    assert "mismatch/log_ratio_q05" in on.metrics
+    assert not any(k.startswith("mismatch/") for k in off.metrics)
+    torch.testing.assert_close(on.loss, off.loss)
