@@ -47,8 +47,8 @@ def _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp) -> N
 
 
 def _apply_correction(correction, logp, old_logp, rollout_logp, mask, advantages, acceptance):
-    """Return (weights float32 [B,T], kept mask, correction metrics)."""
-    from ..correction import Correction, CorrectionInputs  # correction is the layer below
+    """Call (or accept) the correction and check what it returned."""
+    from ..correction.base import Correction, CorrectionInputs  # the layer below
 
     if isinstance(correction, Correction):
         corr = correction
@@ -63,8 +63,7 @@ def _apply_correction(correction, logp, old_logp, rollout_logp, mask, advantages
         raise ValueError(f"correction: expected the callable to return a Correction, got {type(corr).__name__}")
     check_same_shape(logp=logp, **{"correction.weights": corr.weights})
     check_mask(corr.mask, logp, name="correction.mask")
-    kept = mask & corr.mask
-    return torch.where(kept, corr.weights.detach().float(), 0.0), kept, dict(corr.metrics)
+    return corr
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -222,9 +221,11 @@ def sparse_grpo(
         metrics["loss/nonfinite_rollout"] = (mask & ~finite).sum().float()
         kept = mask & finite
         if correction is not None:
-            weights, kept, corr_metrics = _apply_correction(
-                correction, logp, old_logp, rollout_logp, kept, advantages, acceptance)
-            metrics.update(corr_metrics)
+            corr = _apply_correction(correction, logp, old_logp, rollout_logp, mask, advantages,
+                                     acceptance)
+            kept = kept & corr.mask
+            weights = torch.where(kept, corr.weights.detach().float(), 0.0)
+            metrics.update(corr.metrics)
         if mismatch:
             metrics.update(mismatch_metrics(old_logp, rollout_logp, mask, acceptance=acceptance,
                                             quantiles=tuple(mismatch_quantiles)))
