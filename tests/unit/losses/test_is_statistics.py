@@ -15,8 +15,7 @@ import math
 import pytest
 import torch
 
-from sparsecorr.correction.base import finalize, prepare
-from sparsecorr.correction.weights import sequence_is_weights
+from sparsecorr.correction import sequence_is
 from sparsecorr.losses import sparse_grpo
 
 P = torch.tensor([0.6, 0.3, 0.1])  # dense
@@ -31,11 +30,7 @@ def reward(y: torch.Tensor) -> torch.Tensor:
 
 
 def seq_is(cap):
-    def correct(inputs):
-        lr, clean, _ = prepare(inputs)
-        return finalize(sequence_is_weights(lr, clean, reduce="sum", cap=cap), clean, inputs)
-
-    return correct
+    return sequence_is(reduce="sum", cap=cap)  # product of token ratios, truncated at cap
 
 
 def exact(cap):
