@@ -64,8 +64,10 @@ def acceptance_rate_topk(
     r"""Top-k lower bound of \(\alpha_t\): \(\sum_{v \in K_p \cap K_q} \min(p(v), q(v))\).
 
     Args:
-        p_logp, p_ids: top-k log-probs and token ids of the dense model.
-        q_logp, q_ids: the same for the sparse sampler (k may differ).
+        p_logp: top-k log-probs of the dense model.
+        p_ids: their token ids.
+        q_logp: top-k log-probs of the sparse sampler (k may differ).
+        q_ids: their token ids.
 
     Shapes:
         ``[B, T, k_p]`` and ``[B, T, k_q]`` -> ``[B, T]`` float32 in [0, 1].

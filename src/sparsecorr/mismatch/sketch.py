@@ -51,7 +51,8 @@ class QuantileSketch:
     """Fixed-bucket histogram sketch over ``[lo, hi]`` (error bound in the module docstring).
 
     Args:
-        lo, hi: the value range (acceptance: 0, 1; clamped log-ratios: -20, 20).
+        lo: lower end of the value range (acceptance: 0; clamped log-ratios: -20).
+        hi: upper end of the value range (acceptance: 1; clamped log-ratios: 20).
         n_buckets: resolution; the error bound is half a bucket width.
         device: where the counts live.
 
