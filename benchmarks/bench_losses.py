@@ -35,9 +35,10 @@ sys.path.insert(0, str(ROOT.parent))
 from _common import machine, peak_rss_delta, setup, table
 
 from sparsecorr.losses import sparse_grpo
+from sparsecorr.mismatch import mismatch_metrics
 
 try:
-    from sparsecorr.correction import sparse_rl
+    from sparsecorr.correction import CorrectionInputs, sparse_rl
 except ImportError:  # pragma: no cover - correction layer not installed yet
     sparse_rl = None
 
@@ -83,6 +84,22 @@ def ours_measure(d):
     out = sparse_grpo(lp, d["old"], d["adv"], d["mask"], rollout_logp=d["rollout"])
     out.loss.backward()
     return out.metrics
+
+
+def ours_no_mismatch(d):
+    lp = d["logp"].clone().requires_grad_(True)
+    out = sparse_grpo(lp, d["old"], d["adv"], d["mask"], rollout_logp=d["rollout"], correction=sparse_rl(),
+                      mismatch=False)
+    out.loss.backward()
+    return out.metrics
+
+
+def correction_only(d):
+    return sparse_rl()(CorrectionInputs(old_logp=d["old"], rollout_logp=d["rollout"], mask=d["mask"]))
+
+
+def mismatch_only(d):
+    return mismatch_metrics(d["old"], d["rollout"], d["mask"], quantiles=())
 
 
 def naive(d):
@@ -137,8 +154,11 @@ def bench_loss(b: int, t: int, rounds: int) -> str:
     impls = {"floor (exp-clamp-mul)": floor, "sparsecorr sparse_grpo, no correction": ours_plain,
              "sparsecorr sparse_grpo + rollout_logp (mismatch metrics only)": ours_measure,
              "naive autograd sparse_rl + 3 metrics": naive, "TRL 1.16 loss + token_truncate IS": trl_like}
+    impls["  of which: mismatch_metrics alone (no quantiles)"] = mismatch_only
     if sparse_rl is not None:
         impls["sparsecorr sparse_grpo + sparse_rl() + all metrics"] = ours
+        impls["sparsecorr sparse_grpo + sparse_rl(), mismatch=False"] = ours_no_mismatch
+        impls["  of which: sparse_rl() correction alone"] = correction_only
     if PolicyLoss is not None:
         impls["OpenRLHF PolicyLoss, token mask [0.5, 5]"] = openrlhf
     times: dict[str, list[float]] = {k: [] for k in impls}
