@@ -103,3 +103,11 @@ def test_dense_mode_requires_peft_model():
 def test_bad_rank():
     with pytest.raises(ValueError, match="r:"):
         sparse_adapter(tiny_model("qwen3"), r=0)
+
+
+def test_missing_peft_gives_install_hint(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # makes `import peft` raise ImportError
+    with pytest.raises(ImportError, match=r"sparsecorr\[peft\]"):
+        sparse_adapter(torch.nn.Linear(2, 2))

@@ -22,7 +22,7 @@ ADAPTER_NAME = "sparse"
 def _peft():
     try:
         import peft
-    except ImportError as err:  # pragma: no cover - exercised only without peft
+    except ImportError as err:
         raise ImportError("sparse_adapter needs peft: pip install 'sparsecorr[peft]'") from err
     return peft
 
