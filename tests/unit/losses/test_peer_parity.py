@@ -44,3 +44,18 @@ def test_token_level_matches_openrlhf_policy_loss(mode, threshold, dual_clip):
     out.loss.backward()
     torch.testing.assert_close(out.loss, peer_loss)
     torch.testing.assert_close(lp.grad, lp_peer.grad * mask)
+
+
+def test_gspo_matches_openrlhf_gspo():
+    PolicyLoss = load_openrlhf_loss_module().PolicyLoss
+    logp, old, _, mask, adv = _inputs(seed=3)
+    peer = PolicyLoss(clip_eps_low=3e-4, clip_eps_high=4e-4, policy_loss_type="gspo")
+    lp_peer = logp.clone().requires_grad_(True)
+    peer_loss, *_ = peer(lp_peer, old, adv[:, None].expand_as(logp), action_mask=mask.float())
+    peer_loss.backward()
+    lp = logp.clone().requires_grad_(True)
+    out = sparse_grpo(lp, old, adv, mask, ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
+                      aggregation="seq-mean-token-mean")
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, peer_loss)
+    torch.testing.assert_close(lp.grad, lp_peer.grad * mask)
