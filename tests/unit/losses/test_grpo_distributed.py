@@ -1,0 +1,73 @@
+"""2-process gloo: sparse_grpo + sparse_rl(group=...) with all-reduced counts on two uneven
+shards sums (loss and gradient) to the single-process result on the whole batch."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sparsecorr._dist import all_reduce_sum
+from sparsecorr.correction import CorrectionInputs, sparse_rl
+from sparsecorr.losses import sparse_grpo
+
+pytestmark = pytest.mark.dist
+
+SHARDS = [slice(0, 3), slice(3, 8)]
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(8, 12, generator=g) * 3
+    rollout = old - torch.randn(8, 12, generator=g) * 0.4
+    rollout[2, 1] = float("nan")
+    logp = old + torch.randn(8, 12, generator=g) * 0.2
+    mask = torch.arange(12)[None] < torch.randint(1, 13, (8,), generator=g)[:, None]
+    adv = torch.randn(8, generator=g)
+    return logp, old, rollout, mask, adv
+
+
+def _loss(logp, old, rollout, mask, adv, aggregation, group=None):
+    corr = sparse_rl(group=group)(CorrectionInputs(old_logp=old, rollout_logp=rollout, mask=mask))
+    kept = corr.mask & mask
+    n_tok = all_reduce_sum(kept.sum().float(), group)
+    n_seq = all_reduce_sum(kept.any(1).sum().float(), group)
+    lp = logp.clone().requires_grad_(True)
+    out = sparse_grpo(lp, old, adv, mask, rollout_logp=rollout, correction=corr, aggregation=aggregation,
+                      num_tokens=n_tok, num_sequences=n_seq, mismatch=False)
+    out.loss.backward()
+    return out.loss.detach(), lp.grad
+
+
+def _worker(rank: int, world: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = SHARDS[rank]
+        res = {}
+        for aggregation in ("token-mean", "seq-mean-token-mean"):
+            loss, grad = _loss(*(x[rows] for x in _batch()), aggregation, group=dist.group.WORLD)
+            res[aggregation] = (float(loss), grad.tolist())
+        out[rank] = res
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_sum_to_single_process():
+    ctx = mp.get_context("spawn")
+    out = ctx.Manager().dict()
+    mp.start_processes(_worker, args=(2, _free_port(), out), nprocs=2, join=True, start_method="spawn")
+    for aggregation in ("token-mean", "seq-mean-token-mean"):
+        loss, grad = _loss(*_batch(), aggregation)
+        total = out[0][aggregation][0] + out[1][aggregation][0]
+        assert total == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+        grads = torch.cat([torch.tensor(out[r][aggregation][1]) for r in (0, 1)])
+        torch.testing.assert_close(grads, grad)
