@@ -214,6 +214,31 @@ def bench_kl_memory(shape: tuple[int, int, int]) -> str:
             + table(["implementation", "pass", "extra MiB", "% of logits"], rows))
 
 
+def bench_kl_time(shape: tuple[int, int, int], repeat: int) -> str:
+    from _common import median_time
+
+    from sparsecorr.losses import kl_from_logits
+
+    g = torch.Generator().manual_seed(0)
+    s, te = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    mask = torch.ones(shape[:2], dtype=torch.bool)
+
+    def naive():
+        x = s.clone().requires_grad_(True)
+        ls, lt = torch.log_softmax(x, -1), torch.log_softmax(te, -1)
+        torch.where(mask, (lt.exp() * (lt - ls)).sum(-1), 0.0).sum().backward()
+
+    def ours():
+        x = s.clone().requires_grad_(True)
+        kl_from_logits(x, te, mask).sum().backward()
+
+    t_naive, t_ours = median_time(naive, repeat=repeat), median_time(ours, repeat=repeat)
+    rows = [["naive full softmax", f"{t_naive * 1e3:.0f}", "1.00"],
+            ["sparsecorr kl_from_logits", f"{t_ours * 1e3:.0f}", f"{t_ours / t_naive:.2f}"]]
+    return f"kl_from_logits forward+backward time on {list(shape)} fp32\n\n" + table(
+        ["implementation", "ms", "x naive"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
@@ -224,10 +249,14 @@ def main() -> None:
         print(bench_loss(64, 2048, rounds=5))
         print()
         print(bench_kl_memory((2, 256, 32000)))
+        print()
+        print(bench_kl_time((1, 256, 32000), repeat=5))
     else:
         print(bench_loss(256, 8192, rounds=15))
         print()
         print(bench_kl_memory((4, 2048, 32000)))
+        print()
+        print(bench_kl_time((2, 2048, 32000), repeat=3))
 
 
 if __name__ == "__main__":

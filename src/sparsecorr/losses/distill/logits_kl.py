@@ -30,6 +30,8 @@ from ...mismatch.logprobs import default_chunk_rows
 
 __all__ = ["kl_from_logits"]
 
+_MIN_ROWS = 16  # below this, per-chunk overhead dominates (small inputs)
+
 
 def _row_kl(zs: torch.Tensor, zt: torch.Tensor, tau: float, reverse: bool):
     s = torch.log_softmax(zs.float() / tau if tau != 1.0 else zs.float(), dim=-1)
@@ -91,7 +93,8 @@ def kl_from_logits(
         direction: ``"forward"`` = KL(teacher ‖ student) (mode covering, classic distillation),
             ``"reverse"`` = KL(student ‖ teacher) (mode seeking, on-policy distillation).
         temperature: both logits are divided by \\(\\tau\\) before the softmax.
-        chunk_size: rows of ``B·T`` per chunk (default: a few MiB of float32 per chunk).
+        chunk_size: rows of ``B·T`` per chunk (default: a few MiB of float32 per chunk, at
+            least 16 rows).
 
     Returns:
         float32 per-token KL, 0 where masked.
@@ -113,6 +116,6 @@ def kl_from_logits(
     v = student_logits.shape[-1]
     s2 = student_logits.reshape(-1, v)
     t2 = teacher_logits.detach().reshape(-1, v)
-    rows = chunk_size or default_chunk_rows(s2, copies=6)
+    rows = chunk_size or max(default_chunk_rows(s2, copies=6), min(_MIN_ROWS, s2.shape[0]))
     kl = _KLFromLogits.apply(s2, t2, mask.reshape(-1), float(temperature), direction == "reverse", rows)
     return kl.reshape(mask.shape)
