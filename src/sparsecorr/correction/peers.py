@@ -119,7 +119,9 @@ class OpenRLHFCorrection:
             filtered = ~keep
         filtered = filtered.expand_as(lr)
         if self.level == "seq":
-            frac = (filtered[:, 0] & clean.any(-1)).sum() / clean.any(-1).sum().clamp(min=1)
+            # OpenRLHF averages over every row; an empty row's statistic is 0/0 = NaN there,
+            # which fails the band test, so it counts as filtered (its weight is moot)
+            frac = (filtered[:, 0] | ~clean.any(-1)).float().mean()
         else:
             frac = (filtered & clean).sum() / clean.sum().clamp(min=1)
         return finalize(w, clean, inputs, {"correction/is_filter_ratio": frac}, nonfinite=nf)
