@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .._checks import check_choice, check_float_tensor, check_mask, check_positive, check_same_shape
+from ..correction.base import Correction, CorrectionInputs
 from ..mismatch import LOG_RATIO_CLAMP, mismatch_metrics
 from .aggregation import AGGREGATIONS, row_scales
 from .output import LossOutput
@@ -48,8 +49,8 @@ def _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp) -> N
 
 def _apply_correction(correction, logp, old_logp, rollout_logp, mask, advantages, acceptance):
     """Call (or accept) the correction and check what it returned."""
-    from ..correction.base import Correction, CorrectionInputs  # the layer below
-
+    if advantages.dim() == 2 and advantages.shape[1] == 1 and advantages.shape != logp.shape:
+        advantages = advantages[:, 0]
     if isinstance(correction, Correction):
         corr = correction
     elif callable(correction):

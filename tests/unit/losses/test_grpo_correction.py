@@ -129,3 +129,17 @@ def test_sharding_invariance_with_correction(aggregation):
                            num_tokens=kept.sum(), num_sequences=kept.any(1).sum())
         total = total + part.loss
     torch.testing.assert_close(total, whole.loss)
+
+
+def test_advantages_reach_the_correction_in_any_accepted_shape():
+    from sparsecorr.correction import opsm
+
+    d = _batch(b=6, t=8, seed=7)
+    adv = d["advantages"]
+    outs = [sparse_grpo(d["logp"], d["old_logp"], a, d["mask"], rollout_logp=d["rollout_logp"],
+                        correction=opsm(delta=0.05))
+            for a in (adv, adv[:, None], adv[:, None].expand(d["mask"].shape).contiguous())]
+    for out in outs[1:]:
+        torch.testing.assert_close(out.loss, outs[0].loss)
+        assert torch.equal(out.mask, outs[0].mask)
+    assert not torch.equal(outs[0].mask, d["mask"])  # OPSM did drop something here
