@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -126,3 +128,15 @@ def test_distill_sparse_loss_is_ppo_plus_lambda_k3():
     assert out.metrics["distill/kl_k3_mean"] >= 0
     out.loss.backward()
     assert torch.isfinite(sparse.grad).all()
+
+
+def test_topk_kl_zero_probability_entries():
+    # a support entry with probability 0 in p contributes 0 (0 log 0 = 0), not NaN
+    p = torch.log(torch.tensor([[[0.5, 0.5, 0.0]]]))
+    q = torch.log(torch.tensor([[[0.25, 0.25, 0.5]]]))
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    student = q.clone().requires_grad_(True)
+    out = topk_kl(student, p, mask, renormalize=False)
+    torch.testing.assert_close(out, torch.tensor([[math.log(2.0)]]))
+    out.sum().backward()
+    assert torch.isfinite(student.grad).all()

@@ -74,8 +74,8 @@ def topk_kl(
     if renormalize:
         s, t = torch.log_softmax(s, dim=-1), torch.log_softmax(t, dim=-1)
     p, q = (t, s) if direction == "forward" else (s, t)
-    kl = (p.exp() * (p - q)).sum(-1)
-    return torch.where(mask, kl, 0.0)
+    terms = torch.where(p == float("-inf"), 0.0, p.exp() * (p - q))  # 0 log 0 = 0
+    return torch.where(mask, terms.sum(-1), 0.0)
 
 
 def distill_sparse_loss(
