@@ -140,3 +140,18 @@ def test_topk_kl_zero_probability_entries():
     torch.testing.assert_close(out, torch.tensor([[math.log(2.0)]]))
     out.sum().backward()
     assert torch.isfinite(student.grad).all()
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_kl_from_logits_with_masked_vocabulary(direction):
+    # -inf logits (e.g. padded vocabulary) in both models: 0 log 0 = 0, no NaN
+    s, te, mask = _logits(v=8)
+    s, te = s.clone(), te.clone()
+    s[..., -2:] = float("-inf")
+    te[..., -2:] = float("-inf")
+    student = s.clone().requires_grad_(True)
+    out = kl_from_logits(student, te, mask, direction=direction, chunk_size=3)
+    ref = _naive_kl(s[..., :-2], te[..., :-2], mask, direction, 1.0)
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    assert torch.isfinite(student.grad).all() and (student.grad[..., -2:] == 0).all()

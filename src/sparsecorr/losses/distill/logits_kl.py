@@ -38,8 +38,8 @@ def _row_kl(zs: torch.Tensor, zt: torch.Tensor, tau: float, reverse: bool):
     t = torch.log_softmax(zt.float() / tau if tau != 1.0 else zt.float(), dim=-1)
     if reverse:
         s, t = t, s  # KL(S||T) = sum e^s (s - t): swap roles
-    kl = torch.sub(t, s).mul_(t.exp()).sum(-1)
-    return kl, (t, s) if reverse else (s, t)
+    terms = torch.sub(t, s).mul_(t.exp()).masked_fill_(t == float("-inf"), 0.0)  # 0 log 0 = 0
+    return terms.sum(-1), (t, s) if reverse else (s, t)
 
 
 class _KLFromLogits(torch.autograd.Function):
@@ -67,7 +67,8 @@ class _KLFromLogits(torch.autograd.Function):
             g = g_all[sl, None]
             if ctx.reverse:
                 q = s.exp()
-                chunk = s.sub_(t).sub_(kl[sl, None]).mul_(q)
+                zero = s == float("-inf")
+                chunk = s.sub_(t).sub_(kl[sl, None]).mul_(q).masked_fill_(zero, 0.0)
             else:
                 chunk = s.exp_().sub_(t.exp_())
             grad[sl] = torch.where(valid1d[sl, None], chunk.mul_(g), 0.0).to(grad.dtype)
