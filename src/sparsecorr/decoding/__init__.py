@@ -1,0 +1,23 @@
+"""GENERATE: sparse decoding over Hugging Face causal LMs, with KV policies and backends.
+
+``generate(model, input_ids, policy=RKV(), budget=512, max_new_tokens=...) -> RolloutBatch``;
+``teacher_forced_logprobs(...)`` for the same path with given tokens. Backends: ``torch``
+(reference, CPU/GPU) and ``flashinfer`` (GPU; imported lazily, never at import time).
+"""
+
+from .generate import generate, teacher_forced_logprobs
+from .policies import RKV, BlockTopK, Dense, KVPolicy, SnapKV, StreamingLLM, get_policy
+from .rollout import RolloutBatch
+
+__all__ = [
+    "RKV",
+    "BlockTopK",
+    "Dense",
+    "KVPolicy",
+    "RolloutBatch",
+    "SnapKV",
+    "StreamingLLM",
+    "generate",
+    "get_policy",
+    "teacher_forced_logprobs",
+]

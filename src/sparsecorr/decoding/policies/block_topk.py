@@ -1,0 +1,61 @@
+r"""``BlockTopK(page_size=16, keep_first_pages=1, keep_last_pages=2, dense_layers=2)``: Sparrow.
+
+A *selection* policy (Zhou et al., 2026, arXiv 2606.08446): the full KV cache is kept, and each
+decode step attends to ``budget // page_size`` pages only. Pages of 16 tokens are scored by the
+dot product of their mean key with the mean current query over the query heads of the KV group;
+the first page and the last 2 pages are always kept; the first 2 layers stay dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Kind, KVPolicy
+
+__all__ = ["BlockTopK"]
+
+
+@dataclass(frozen=True)
+class BlockTopK(KVPolicy):
+    """Page selection by mean-key · mean-query score (see the module docstring)."""
+
+    name: ClassVar[str] = "block_topk"
+    kind: ClassVar[Kind] = "selection"
+    page_size: int = 16
+    keep_first_pages: int = 1
+    keep_last_pages: int = 2
+    dense_layers: int = 2
+
+    def attend_mask(self, *, keys: torch.Tensor, query: torch.Tensor, valid: torch.Tensor,
+                    positions: torch.Tensor, budget: int, layer_idx: int) -> torch.Tensor:
+        """Slots this step attends to: ``[B, H_kv, S]`` bool ⊆ ``valid``.
+
+        Shapes:
+            keys ``[B, H_kv, S, D]``; query ``[B, H_q, 1, D]``; valid ``[B, H_kv, S]``.
+        """
+        if layer_idx < self.dense_layers:
+            return valid
+        b, h, s, d = keys.shape
+        ps = self.page_size
+        n_pages = -(-s // ps)
+        pad = n_pages * ps - s
+        k = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad)).reshape(b, h, n_pages, ps, d)
+        v = torch.nn.functional.pad(valid, (0, pad)).reshape(b, h, n_pages, ps)
+        counts = v.sum(-1)
+        mean_k = (k * v[..., None]).sum(-2) / counts.clamp(min=1)[..., None]
+        mean_q = query.float().reshape(b, h, -1, d).mean(2)  # mean over the group's query heads
+        score = torch.einsum("bhpd,bhd->bhp", mean_k, mean_q)
+        page_valid = counts > 0
+        page_idx = torch.arange(n_pages, device=keys.device)
+        last_valid = torch.where(page_valid, page_idx, -1).amax(-1, keepdim=True)
+        forced = page_valid & ((page_idx < self.keep_first_pages)
+                               | (page_idx > last_valid - self.keep_last_pages))
+        score = torch.where(forced, torch.inf, score).masked_fill(~page_valid, -torch.inf)
+        n_keep = min(max(budget // ps, self.keep_first_pages + self.keep_last_pages), n_pages)
+        chosen = torch.zeros_like(page_valid)
+        chosen.scatter_(-1, score.topk(n_keep, dim=-1).indices, True)
+        chosen &= page_valid
+        return valid & chosen.repeat_interleave(ps, dim=-1)[..., :s]

@@ -1,0 +1,55 @@
+r"""``SnapKV(window=8, kernel=7, pooling="max")`` (Li et al., NeurIPS 2024).
+
+The last ``window`` queries vote for the keys they attend to; votes are summed over the window,
+averaged over the query heads of each KV group, and smoothed along the sequence with a 1-D
+pooling of width ``kernel`` so neighbouring tokens survive together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from .base import Kind, KVPolicy, group_scores
+
+__all__ = ["SnapKV", "pool_scores"]
+
+
+def pool_scores(scores: torch.Tensor, *, kernel: int, pooling: str) -> torch.Tensor:
+    """1-D ``max``/``avg`` pooling along the last axis, same length (odd ``kernel``)."""
+    if kernel <= 1:
+        return scores
+    b, h, s = scores.shape
+    x = scores.reshape(b * h, 1, s)
+    pad = kernel // 2
+    if pooling == "max":
+        y = F.max_pool1d(F.pad(x, (pad, pad), value=float("-inf")), kernel, stride=1)
+    else:
+        y = F.avg_pool1d(F.pad(x, (pad, pad), value=0.0), kernel, stride=1)
+    return y.reshape(b, h, -1)[..., :s]
+
+
+@dataclass(frozen=True)
+class SnapKV(KVPolicy):
+    """Observation-window attention, pooled. Eviction; scoring costs one W×S attention."""
+
+    name: ClassVar[str] = "snapkv"
+    kind: ClassVar[Kind] = "eviction"
+    window: int = 8
+    kernel: int = 7
+    pooling: str = "max"
+    sink: int = 0
+    buffer: int = 128
+
+    def __post_init__(self) -> None:
+        if self.pooling not in ("max", "avg"):
+            raise ValueError(f"pooling: expected 'max' or 'avg', got {self.pooling!r}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel: expected an odd positive int, got {self.kernel!r}")
+
+    def score(self, *, keys, queries, valid, positions) -> torch.Tensor:
+        imp = group_scores(queries, keys, valid)
+        return pool_scores(imp.masked_fill(~valid, 0.0), kernel=self.kernel, pooling=self.pooling)
