@@ -85,7 +85,8 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
              positions: torch.Tensor, budget: int | torch.Tensor) -> KeepSet:
     """Keep the ``budget`` best-scored valid slots of every (sequence, KV head).
 
-    Sinks and the recent window always survive; invalid slots never do. ``budget`` may be a
+    Sinks and the recent window always survive; invalid slots never do; equal scores are
+    broken in favour of the more recent position. ``budget`` may be a
     ``[B]`` tensor (one budget per sequence, e.g. from a schedule).
 
     Returns:
@@ -94,7 +95,10 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     b, _, s = valid.shape
     budgets = torch.as_tensor(budget, device=valid.device).reshape(-1).expand(b).long()
     k = int(min(int(budgets.max()), s))
-    scores = policy.score(keys=keys, queries=queries, valid=valid, positions=positions).float()
+    scores = policy.score(keys=keys, queries=queries, valid=valid, positions=positions).double()
+    # ties (frequent after max pooling) go to the more recent token, by true position, so the
+    # kept set does not depend on where a row's tokens sit in the slot axis (padding, batching)
+    scores = scores + positions.double() * 1e-12
     scores = torch.where(_protected(policy, valid, positions), torch.inf, scores)
     scores = scores.masked_fill(~valid, -torch.inf)
     top = scores.topk(k, dim=-1).indices  # [B, H, K]

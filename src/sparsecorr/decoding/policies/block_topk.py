@@ -1,7 +1,8 @@
 r"""``BlockTopK(page_size=16, keep_first_pages=1, keep_last_pages=2, dense_layers=2)``: Sparrow.
 
 A *selection* policy (Zhou et al., 2026, arXiv 2606.08446): the full KV cache is kept, and each
-decode step attends to ``budget // page_size`` pages only. Pages of 16 tokens are scored by the
+decode step attends to ``budget // page_size`` pages only. Pages of 16 tokens (by true position)
+are scored by the
 dot product of their mean key with the mean current query over the query heads of the KV group;
 the first page and the last 2 pages are always kept; the first 2 layers stay dense.
 """
@@ -38,14 +39,16 @@ class BlockTopK(KVPolicy):
         """
         if layer_idx < self.dense_layers:
             return valid
-        b, h, s, d = keys.shape
+        b, h, _, d = keys.shape
         ps = self.page_size
-        n_pages = -(-s // ps)
-        pad = n_pages * ps - s
-        k = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad)).reshape(b, h, n_pages, ps, d)
-        v = torch.nn.functional.pad(valid, (0, pad)).reshape(b, h, n_pages, ps)
-        counts = v.sum(-1)
-        mean_k = (k * v[..., None]).sum(-2) / counts.clamp(min=1)[..., None]
+        # pages by true position (not slot index), so padding or batching cannot shift them
+        n_pages = int(torch.where(valid, positions, 0).max()) // ps + 1
+        page = torch.where(valid, positions // ps, n_pages)  # invalid slots -> a dump page
+        kv = keys.float() * valid[..., None]
+        sums = kv.new_zeros(b, h, n_pages + 1, d).scatter_add_(2, page[..., None].expand(-1, -1, -1, d), kv)
+        counts = kv.new_zeros(b, h, n_pages + 1).scatter_add_(2, page, valid.float())
+        sums, counts = sums[:, :, :n_pages], counts[:, :, :n_pages]
+        mean_k = sums / counts.clamp(min=1)[..., None]
         mean_q = query.float().reshape(b, h, -1, d).mean(2)  # mean over the group's query heads
         score = torch.einsum("bhpd,bhd->bhp", mean_k, mean_q)
         page_valid = counts > 0
@@ -58,4 +61,4 @@ class BlockTopK(KVPolicy):
         chosen = torch.zeros_like(page_valid)
         chosen.scatter_(-1, score.topk(n_keep, dim=-1).indices, True)
         chosen &= page_valid
-        return valid & chosen.repeat_interleave(ps, dim=-1)[..., :s]
+        return valid & chosen.gather(-1, page.clamp(max=n_pages - 1))
