@@ -86,7 +86,8 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     """Keep the ``budget`` best-scored valid slots of every (sequence, KV head).
 
     Sinks and the recent window always survive; invalid slots never do; equal scores are
-    broken in favour of the more recent position. ``budget`` may be a
+    broken in favour of the more recent position. The budget is a hard cap: if it is smaller
+    than ``sink + window``, the most recent protected tokens are the ones kept. ``budget`` may be a
     ``[B]`` tensor (one budget per sequence, e.g. from a schedule).
 
     Returns:
@@ -99,7 +100,9 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     # ties (frequent after max pooling) go to the more recent token, by true position, so the
     # kept set does not depend on where a row's tokens sit in the slot axis (padding, batching)
     scores = scores + positions.double() * 1e-12
-    scores = torch.where(_protected(policy, valid, positions), torch.inf, scores)
+    # protected slots outrank every score, and among themselves the most recent wins
+    # (1e15 + position is exact in float64; regular scores are far below it)
+    scores = torch.where(_protected(policy, valid, positions), 1e15 + positions.double(), scores)
     scores = scores.masked_fill(~valid, -torch.inf)
     top = scores.topk(k, dim=-1).indices  # [B, H, K]
     rank = torch.arange(k, device=valid.device)

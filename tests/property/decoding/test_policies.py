@@ -1,0 +1,155 @@
+"""Each policy's kept set equals a literal, loop-based re-statement of its rule; invariants."""
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsecorr.decoding.policies import RKV, BlockTopK, SnapKV, StreamingLLM, compress
+
+
+@st.composite
+def kv(draw, max_s=24):
+    b, hkv, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
+    s, d, w = draw(st.integers(2, max_s)), 4, draw(st.integers(1, 3))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    keys = torch.randn(b, hkv, s, d, generator=gen)
+    queries = torch.randn(b, hkv * g, w, d, generator=gen)
+    n_valid = torch.randint(1, s + 1, (b,), generator=gen)
+    valid = (torch.arange(s)[None] >= (s - n_valid)[:, None])[:, None].expand(b, hkv, s).clone()
+    positions = (torch.arange(s)[None] - (s - n_valid)[:, None]).clamp(min=0)[:, None].expand(b, hkv, s).clone()
+    budget = draw(st.integers(1, s))
+    return keys, queries, valid, positions, budget
+
+
+def _loop_snapkv_scores(keys, queries, valid, kernel):
+    b, h, s, d = keys.shape
+    g = queries.shape[1] // h
+    out = torch.zeros(b, h, s, dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            idx = [j for j in range(s) if valid[bi, hi, j]]
+            votes = [0.0] * s
+            for gi in range(g):
+                for wi in range(queries.shape[2]):
+                    q = queries[bi, hi * g + gi, wi].double()
+                    logits = [float(q @ keys[bi, hi, j].double()) / math.sqrt(d) for j in idx]
+                    m = max(logits)
+                    z = sum(math.exp(x - m) for x in logits)
+                    for j, x in zip(idx, logits):
+                        votes[j] += math.exp(x - m) / z / g
+            pad = kernel // 2
+            for j in range(s):
+                window = [votes[t] for t in range(j - pad, j + pad + 1) if 0 <= t < s]
+                out[bi, hi, j] = max(window)
+    return out
+
+
+def _loop_keep(scores, valid, positions, budget, sink, recent):
+    """The rule, literally: the budget is a hard cap; protected tokens (first ``sink`` and last
+    ``recent`` by position) come first, most recent first; then the others by score, ties to
+    the more recent; the kept positions, sorted."""
+    b, h, s = valid.shape
+    kept = []
+    for bi in range(b):
+        for hi in range(h):
+            idx = [j for j in range(s) if valid[bi, hi, j]]
+            by_pos = sorted(idx, key=lambda j: int(positions[bi, hi, j]))
+            protected = set(by_pos[:sink]) | (set(by_pos[len(by_pos) - recent:]) if recent else set())
+            order = sorted(protected, key=lambda j: -int(positions[bi, hi, j]))
+            order += sorted((j for j in idx if j not in protected),
+                            key=lambda j: (-float(scores[bi, hi, j]), -int(positions[bi, hi, j])))
+            kept.append(sorted(int(positions[bi, hi, j]) for j in order[:budget]))
+    return kept
+
+
+def _kept_positions(keep, positions):
+    b, h, _ = keep.index.shape
+    return [sorted(int(positions[bi, hi, int(j)]) for j, v in zip(keep.index[bi, hi], keep.valid[bi, hi]) if v)
+            for bi in range(b) for hi in range(h)]
+
+
+@given(kv(), st.integers(0, 3))
+@settings(max_examples=40)
+def test_streaming_llm_keeps_sinks_and_most_recent(data, sink):
+    keys, queries, valid, positions, budget = data
+    keep = compress(StreamingLLM(sink=sink), keys=keys, queries=queries, valid=valid,
+                    positions=positions, budget=budget)
+    scores = positions.double()  # StreamingLLM's score: recency
+    assert _kept_positions(keep, positions) == _loop_keep(scores, valid, positions, budget, sink, 0)
+    for got, n in zip(_kept_positions(keep, positions), valid.sum(-1).reshape(-1).tolist()):
+        if budget >= sink:  # the usual regime: every sink plus the most recent tokens
+            k = min(budget, n)
+            assert got == sorted(set(range(min(sink, k))) | set(range(n - (k - min(sink, k)), n)))
+
+
+@given(kv(max_s=14), st.sampled_from([1, 3]))
+@settings(max_examples=25)
+def test_snapkv_equals_loop_reference(data, kernel):
+    keys, queries, valid, positions, budget = data
+    pol = SnapKV(window=queries.shape[2], kernel=kernel, sink=0)
+    scores = pol.score(keys=keys, queries=queries, valid=valid, positions=positions)
+    ref = _loop_snapkv_scores(keys, queries, valid, kernel)
+    torch.testing.assert_close(torch.where(valid, scores.double(), 0.0), torch.where(valid, ref, 0.0),
+                               atol=1e-5, rtol=1e-5)
+    keep = compress(pol, keys=keys, queries=queries, valid=valid, positions=positions, budget=budget)
+    expect = _loop_keep(ref, valid, positions, budget, 0, queries.shape[2])
+    assert _kept_positions(keep, positions) == expect
+
+
+@given(kv(max_s=14))
+@settings(max_examples=25)
+def test_rkv_redundancy_equals_loop_and_invariants(data):
+    keys, queries, valid, positions, budget = data
+    from sparsecorr.decoding.policies import key_redundancy
+
+    red = key_redundancy(keys, valid)
+    b, h, s, _ = keys.shape
+    for bi in range(b):
+        for hi in range(h):
+            idx = [j for j in range(s) if valid[bi, hi, j]]
+            for j in idx:
+                others = [t for t in idx if t != j]
+                if not others:
+                    continue
+                cos = [float(torch.nn.functional.cosine_similarity(keys[bi, hi, j], keys[bi, hi, t], dim=0))
+                       for t in others]
+                assert abs(float(red[bi, hi, j]) - sum(cos) / len(cos)) < 1e-5
+    pol = RKV(window=queries.shape[2], buffer=0)
+    keep = compress(pol, keys=keys, queries=queries, valid=valid, positions=positions, budget=budget)
+    for got, n in zip(_kept_positions(keep, positions), valid.sum(-1).reshape(-1).tolist()):
+        assert len(got) == min(budget, n)  # the budget is a hard cap
+        assert got == sorted(got) and len(set(got)) == len(got)
+        recent = set(range(max(0, n - min(pol.window, budget)), n))
+        assert recent <= set(got)  # the observation window is kept (most recent first)
+
+
+@given(kv(max_s=40), st.sampled_from([2, 4]))
+@settings(max_examples=30)
+def test_block_topk_selection_rule(data, page):
+    keys, queries, valid, positions, budget = data
+    pol = BlockTopK(page_size=page, keep_first_pages=1, keep_last_pages=1, dense_layers=1)
+    query = queries[:, :, -1:]
+    assert torch.equal(pol.attend_mask(keys=keys, query=query, valid=valid, positions=positions,
+                                       budget=budget, layer_idx=0), valid)  # dense layer
+    mask = pol.attend_mask(keys=keys, query=query, valid=valid, positions=positions,
+                           budget=budget, layer_idx=1)
+    b, h, s, _ = keys.shape
+    g = query.shape[1] // h
+    for bi in range(b):
+        for hi in range(h):
+            pages = {}
+            for j in range(s):
+                if valid[bi, hi, j]:
+                    pages.setdefault(int(positions[bi, hi, j]) // page, []).append(j)
+            mq = query[bi, hi * g:(hi + 1) * g, 0].double().mean(0)
+            score = {p: float(keys[bi, hi, js].double().mean(0) @ mq) for p, js in pages.items()}
+            first, last = min(pages), max(pages)
+            n_keep = min(max(budget // page, 2), len(pages))
+            forced = {first, last}
+            rest = sorted((p for p in pages if p not in forced), key=lambda p: -score[p])
+            chosen = forced | set(rest[: max(0, n_keep - len(forced))])
+            expect = {j for p in chosen for j in pages[p]}
+            got = {j for j in range(s) if mask[bi, hi, j]}
+            assert got == expect
