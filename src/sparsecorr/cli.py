@@ -17,6 +17,7 @@ from . import __version__
 #: subcommand name -> module under sparsecorr.commands implementing it
 SUBCOMMANDS: dict[str, str] = {
     "demo": "sparsecorr.commands.demo",
+    "decode": "sparsecorr.commands.decode",
 }
 
 
