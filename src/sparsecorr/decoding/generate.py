@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -22,6 +22,9 @@ from .backends import get_backend
 from .cache import ATTN_NAME, SparseKVCache, active_cache
 from .policies import Dense, KVPolicy
 from .rollout import RolloutBatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["BudgetLike", "generate", "teacher_forced_logprobs"]
 
@@ -196,7 +199,7 @@ def _run(model, input_ids, attention_mask, *, policy, budget, max_new_tokens, te
     )
 
 
-def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              policy: KVPolicy, budget: int | BudgetLike | None, max_new_tokens: int,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              logprobs_topk: int = 20, eos_token_id: int | list[int] | None = None,
@@ -235,7 +238,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                 pruner=pruner, group_size=group_size)
 
 
-def teacher_forced_logprobs(model, input_ids: torch.Tensor, response_ids: torch.Tensor, *,
+def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, response_ids: torch.Tensor, *,
                             policy: KVPolicy, budget: int | BudgetLike | None,
                             attention_mask: torch.Tensor | None = None,
                             response_mask: torch.Tensor | None = None, temperature: float = 1.0,
