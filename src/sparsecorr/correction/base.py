@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_float_tensor, check_mask, check_same_shape
-from ..mismatch import effective_sample_size
+from .._checks import check_float_tensor, check_mask, check_same_shape, count, finite
 
 __all__ = [
     "Chain",
@@ -31,6 +30,7 @@ __all__ = [
     "chain",
     "finalize",
     "prepare",
+    "transform_of",
 ]
 
 LOG_CLAMP = 20.0
@@ -100,14 +100,14 @@ CorrectionFn = Callable[[CorrectionInputs], Correction]
 def prepare(inputs: CorrectionInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(log_ratio, clean_mask, nonfinite_count)`` shared by every correction.
 
-    ``log_ratio`` is float32, clamped to ±20, 0 where ``clean_mask`` is False.
+    ``log_ratio`` is float32, clamped to ±20, 0 where ``clean_mask`` is False. A token is
+    clean when it is masked in and ``old_logp - rollout_logp`` is finite (NaN or ±inf in either
+    log-prob makes the difference non-finite).
     """
-    old = inputs.old_logp.detach().float()
-    roll = inputs.rollout_logp.detach().float()
-    finite = torch.isfinite(old) & torch.isfinite(roll)
-    clean = inputs.mask & finite
-    lr = torch.where(clean, (old - roll).clamp(-LOG_CLAMP, LOG_CLAMP), 0.0)
-    return lr, clean, (inputs.mask & ~finite).sum()
+    raw = inputs.old_logp.detach().float() - inputs.rollout_logp.detach().float()
+    clean = inputs.mask & finite(raw)
+    lr = torch.where(clean, raw.clamp(-LOG_CLAMP, LOG_CLAMP), 0.0)
+    return lr, clean, count(inputs.mask) - count(clean)
 
 
 def finalize(
@@ -125,16 +125,17 @@ def finalize(
     ``weight_mean``/``weight_min``/``weight_max`` over kept tokens, ``nonfinite_count``.
     """
     w = torch.where(mask, weights.detach().float(), 0.0)
-    n_in = inputs.mask.sum().clamp(min=1)
-    kept = mask.sum()
-    seq_in = inputs.mask.any(-1)
-    big = torch.tensor(float("inf"), device=w.device)
     with torch.no_grad():
+        kept = count(mask)
+        s1, s2 = w.sum(), w.square().sum()
+        seq_in = inputs.mask.any(-1)
+        big = torch.tensor(float("inf"), device=w.device)
         metrics = {
-            "correction/kept_token_frac": kept / n_in,
-            "correction/kept_seq_frac": (mask.any(-1) & seq_in).sum() / seq_in.sum().clamp(min=1),
-            "correction/ess": torch.nan_to_num(effective_sample_size(w, mask), nan=0.0),
-            "correction/weight_mean": w.sum() / kept.clamp(min=1),
+            "correction/kept_token_frac": kept / count(inputs.mask).clamp(min=1),
+            "correction/kept_seq_frac": count(mask.any(-1) & seq_in) / count(seq_in).clamp(min=1),
+            # normalised ESS (sum w)^2 / (n sum w^2), 0 when nothing is kept
+            "correction/ess": torch.where(s2 > 0, s1.square() / (kept * s2).clamp(min=1e-30), 0.0),
+            "correction/weight_mean": s1 / kept.clamp(min=1),
             "correction/weight_min": torch.where(kept > 0, torch.where(mask, w, big).amin(), 0.0),
             "correction/weight_max": w.amax() if w.numel() else torch.zeros(()),
         }
@@ -146,27 +147,42 @@ def finalize(
                       metrics={k: v.detach().float().reshape(()) for k, v in metrics.items()})
 
 
+def transform_of(piece: CorrectionFn, inputs: CorrectionInputs, lr: torch.Tensor,
+                 clean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``(weights, kept, extra_metrics)`` of one piece, without building a Correction.
+
+    Presets expose ``transform(inputs, lr, clean)`` so a chain prepares the log-ratio once and
+    computes the standard metrics once; any other callable is simply called.
+    """
+    if hasattr(piece, "transform"):
+        return piece.transform(inputs, lr, clean)
+    c = piece(inputs)
+    return c.weights, c.mask & clean, _piece_metrics(c.metrics)
+
+
 @dataclass(frozen=True)
 class Chain:
     """Several corrections applied to the same inputs: weights multiply, masks AND.
 
     Piece-specific metrics (``truncated_frac``, ``vetoed_seqs``, ...) are merged (a later piece
-    wins a name clash); the standard metrics are recomputed on the combined result.
+    wins a name clash); the standard metrics are computed once, on the combined result.
     """
 
     pieces: tuple[CorrectionFn, ...]
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        _, clean, nonfinite = prepare(inputs)
-        weights = torch.ones_like(inputs.old_logp, dtype=torch.float32)
-        mask = clean
-        extra: dict[str, torch.Tensor] = {}
+    def transform(self, inputs: CorrectionInputs, lr: torch.Tensor, clean: torch.Tensor):
+        weights, mask, extra = None, clean, {}
         for piece in self.pieces:
-            c = piece(inputs)
-            weights = weights * c.weights
-            mask = mask & c.mask
-            extra.update(c.metrics)
-        return finalize(weights, mask, inputs, _piece_metrics(extra), nonfinite=nonfinite)
+            w, kept, metrics = transform_of(piece, inputs, lr, clean)
+            weights = w if weights is None else weights * w
+            mask = mask & kept
+            extra.update(metrics)
+        return weights, mask, extra
+
+    def __call__(self, inputs: CorrectionInputs) -> Correction:
+        lr, clean, nonfinite = prepare(inputs)
+        weights, mask, extra = self.transform(inputs, lr, clean)
+        return finalize(weights, mask, inputs, extra, nonfinite=nonfinite)
 
 
 _STANDARD = ("kept_token_frac", "kept_seq_frac", "ess", "weight_mean", "weight_min",

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_choice
-from .base import Correction, CorrectionInputs, finalize, prepare
+from .._checks import check_choice, count
+from .base import CorrectionInputs
+from .presets import _Piece
 
 __all__ = ["OPENRLHF_GATINGS", "TRL_MODES", "OpenRLHFCorrection", "TRLCorrection", "openrlhf", "trl"]
 
@@ -34,7 +35,7 @@ OPENRLHF_GATINGS = ("ratio", "binary_kl", "tv")
 
 
 @dataclass(frozen=True)
-class TRLCorrection:
+class TRLCorrection(_Piece):
     """TRL 1.16's vLLM importance-sampling correction (see the module docstring)."""
 
     mode: str = "sequence_mask"
@@ -44,8 +45,7 @@ class TRLCorrection:
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, TRL_MODES)
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        lr, clean, nf = prepare(inputs)
+    def transform(self, inputs: CorrectionInputs, lr: torch.Tensor, clean: torch.Tensor):
         if self.mode.startswith("sequence"):
             lr = lr.sum(-1, keepdim=True).clamp(-20.0, 20.0).expand_as(lr)
         ratio = lr.exp()
@@ -54,11 +54,11 @@ class TRLCorrection:
         outside = (ratio < lo) | (ratio > hi)
         if self.mode.endswith("truncate"):
             w = ratio.clamp(min=self.clip_min, max=self.clip_max)
-            extra = {"correction/truncated_frac": (clean & outside).sum() / clean.sum().clamp(min=1)}
+            extra = {"correction/truncated_frac": count(clean & outside) / count(clean).clamp(min=1)}
         else:
             w = ratio.masked_fill(outside, 0.0)
-            extra = {"correction/band_rejected_frac": (clean & outside).sum() / clean.sum().clamp(min=1)}
-        return finalize(w, clean, inputs, extra, nonfinite=nf)
+            extra = {"correction/band_rejected_frac": count(clean & outside) / count(clean).clamp(min=1)}
+        return w, clean, extra
 
 
 def trl(mode: str = "sequence_mask", clip_min: float | None = None, clip_max: float | None = 3.0) -> TRLCorrection:
@@ -67,7 +67,7 @@ def trl(mode: str = "sequence_mask", clip_min: float | None = None, clip_max: fl
 
 
 @dataclass(frozen=True)
-class OpenRLHFCorrection:
+class OpenRLHFCorrection(_Piece):
     """OpenRLHF 0.11 ``PolicyLoss`` correction (``is_correction_*``; see the module docstring)."""
 
     level: str = "token"
@@ -104,10 +104,9 @@ class OpenRLHFCorrection:
             stat = stat.sum(-1, keepdim=True) / clean.sum(-1, keepdim=True).clamp(min=1)
         return stat
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        lr, clean, nf = prepare(inputs)
+    def transform(self, inputs: CorrectionInputs, lr: torch.Tensor, clean: torch.Tensor):
         if self.level == "off":
-            return finalize(clean.float(), clean, inputs, nonfinite=nf)
+            return clean.float(), clean, {}
         low, high = self.threshold
         stat = self._stat(inputs, lr, clean)
         if self.mode == "clip":
@@ -123,8 +122,8 @@ class OpenRLHFCorrection:
             # which fails the band test, so it counts as filtered (its weight is moot)
             frac = (filtered[:, 0] | ~clean.any(-1)).float().mean()
         else:
-            frac = (filtered & clean).sum() / clean.sum().clamp(min=1)
-        return finalize(w, clean, inputs, {"correction/is_filter_ratio": frac}, nonfinite=nf)
+            frac = count(filtered & clean) / count(clean).clamp(min=1)
+        return w, clean, {"correction/is_filter_ratio": frac}
 
 
 def openrlhf(

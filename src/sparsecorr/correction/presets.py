@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Chain, Correction, CorrectionInputs, chain, finalize, prepare
+from .._checks import count
+from .base import Chain, Correction, CorrectionInputs, chain, finalize, prepare, transform_of
 from .masks import band_mask, divergence_mask, opsm_mask, tail_mask, veto_mask
 from .weights import batch_normalize, sequence_is_weights, token_is_weights
 
@@ -40,40 +41,47 @@ __all__ = [
 
 
 def _frac(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    return part.sum() / whole.sum().clamp(min=1)
+    return count(part) / count(whole).clamp(min=1)
+
+
+class _Piece:
+    """``__call__`` = prepare once, ``transform``, finalize once (standard metrics)."""
+
+    def __call__(self, inputs: CorrectionInputs) -> Correction:
+        lr, clean, nonfinite = prepare(inputs)
+        weights, kept, extra = self.transform(inputs, lr, clean)
+        return finalize(weights, kept, inputs, extra, nonfinite=nonfinite)
 
 
 @dataclass(frozen=True)
-class TIS:
+class TIS(_Piece):
     """Truncated token-level IS: ``w_t = clamp(r_t, floor, cap)`` (Yao et al., 2025)."""
 
     cap: float | None = 2.0
     floor: float = 0.0
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        lr, clean, nf = prepare(inputs)
+    def transform(self, inputs, lr, clean):
         w = token_is_weights(lr, clean, cap=self.cap, floor=self.floor)
-        cap = math.inf if self.cap is None else self.cap
-        truncated = clean & ((lr > math.log(cap)) | (lr < (math.log(self.floor) if self.floor > 0 else -math.inf)))
-        return finalize(w, clean, inputs, {"correction/truncated_frac": _frac(truncated, clean)}, nonfinite=nf)
+        hi = math.inf if self.cap is None else math.log(self.cap)
+        lo = math.log(self.floor) if self.floor > 0 else -math.inf
+        truncated = clean & ((lr > hi) | (lr < lo))
+        return w, clean, {"correction/truncated_frac": _frac(truncated, clean)}
 
 
 @dataclass(frozen=True)
-class SequenceIS:
+class SequenceIS(_Piece):
     """Sequence-level IS: product (``reduce="sum"``) or geometric mean (``"mean"``) of ratios."""
 
     reduce: str = "mean"
     cap: float | None = None
     floor: float = 0.0
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        lr, clean, nf = prepare(inputs)
-        w = sequence_is_weights(lr, clean, reduce=self.reduce, cap=self.cap, floor=self.floor)
-        return finalize(w, clean, inputs, nonfinite=nf)
+    def transform(self, inputs, lr, clean):
+        return sequence_is_weights(lr, clean, reduce=self.reduce, cap=self.cap, floor=self.floor), clean, {}
 
 
 @dataclass(frozen=True)
-class BandMask:
+class BandMask(_Piece):
     """Reject outside ``[low, high]``; ``reweight`` keeps the ratio at the band's level as weight."""
 
     low: float
@@ -81,8 +89,7 @@ class BandMask:
     level: str = "token"
     reweight: bool = False
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        lr, clean, nf = prepare(inputs)
+    def transform(self, inputs, lr, clean):
         kept = band_mask(lr, clean, low=self.low, high=self.high, level=self.level)
         if not self.reweight:
             w = kept.float()
@@ -91,97 +98,86 @@ class BandMask:
         else:
             reduce = "sum" if self.level == "sequence" else "mean"
             w = sequence_is_weights(lr, kept, reduce=reduce, cap=None)
-        extra = {"correction/band_rejected_frac": _frac(clean & ~kept, clean)}
-        return finalize(w, kept, inputs, extra, nonfinite=nf)
+        return w, kept, {"correction/band_rejected_frac": _frac(clean & ~kept, clean)}
 
 
 @dataclass(frozen=True)
-class Veto:
+class Veto(_Piece):
     """Drop a sequence if any token ratio is below ``threshold`` (Sparse-RL: 1e-4)."""
 
     threshold: float = 1e-4
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        lr, clean, nf = prepare(inputs)
+    def transform(self, inputs, lr, clean):
         kept = veto_mask(lr, clean, threshold=self.threshold)
-        vetoed = (clean.any(-1) & ~kept.any(-1)).sum()
-        return finalize(kept.float(), kept, inputs, {"correction/vetoed_seqs": vetoed.float()}, nonfinite=nf)
+        vetoed = count(clean.any(-1) & ~kept.any(-1))
+        return kept.float(), kept, {"correction/vetoed_seqs": vetoed}
 
 
 @dataclass(frozen=True)
-class Divergence:
+class Divergence(_Piece):
     """Drop sequences whose max/mean k2 or k3 exceeds ``threshold`` (verl ``seq_max_k3`` ...)."""
 
     threshold: float
     estimator: str = "k3"
     reduce: str = "max"
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        _, clean, nf = prepare(inputs)
+    def transform(self, inputs, lr, clean):
         kept = divergence_mask(inputs.old_logp, inputs.rollout_logp, clean,
                                estimator=self.estimator, reduce=self.reduce, threshold=self.threshold)
-        rejected = (clean.any(-1) & ~kept.any(-1)).sum().float()
-        return finalize(kept.float(), kept, inputs, {"correction/divergence_rejected_seqs": rejected}, nonfinite=nf)
+        rejected = count(clean.any(-1) & ~kept.any(-1))
+        return kept.float(), kept, {"correction/divergence_rejected_seqs": rejected}
 
 
 @dataclass(frozen=True)
-class TailReject:
+class TailReject(_Piece):
     """Drop sequences whose own ``q``-quantile of acceptance is below ``tau`` (needs acceptance)."""
 
     q: float = 0.05
     tau: float = 0.86
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
+    def transform(self, inputs, lr, clean):
         if inputs.acceptance is None:
             raise ValueError("acceptance: the tail rejection needs per-token acceptance rates "
                              "(CorrectionInputs.acceptance), got None")
-        _, clean, nf = prepare(inputs)
         clean = clean & torch.isfinite(inputs.acceptance)
         kept = tail_mask(inputs.acceptance, clean, q=self.q, tau=self.tau)
-        rejected = (clean.any(-1) & ~kept.any(-1)).sum().float()
-        return finalize(kept.float(), kept, inputs, {"correction/tail_rejected_seqs": rejected}, nonfinite=nf)
+        rejected = count(clean.any(-1) & ~kept.any(-1))
+        return kept.float(), kept, {"correction/tail_rejected_seqs": rejected}
 
 
 @dataclass(frozen=True)
-class OPSM:
+class OPSM(_Piece):
     """DeepSeek-V3.2 off-policy sequence masking (needs advantages; drift to ``logp`` if given)."""
 
     delta: float
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
+    def transform(self, inputs, lr, clean):
         if inputs.advantages is None:
             raise ValueError("advantages: OPSM needs advantages (CorrectionInputs.advantages), got None")
-        lr, clean, nf = prepare(inputs)
         if inputs.logp is not None:
             drift = inputs.logp.detach().float() - inputs.rollout_logp.detach().float()
             clean = clean & torch.isfinite(drift)
             lr = torch.where(clean, drift.clamp(-20, 20), 0.0)
         kept = opsm_mask(lr, clean, inputs.advantages, delta=self.delta)
-        rejected = (clean.any(-1) & ~kept.any(-1)).sum().float()
-        return finalize(kept.float(), kept, inputs, {"correction/opsm_rejected_seqs": rejected}, nonfinite=nf)
+        rejected = count(clean.any(-1) & ~kept.any(-1))
+        return kept.float(), kept, {"correction/opsm_rejected_seqs": rejected}
 
 
 @dataclass(frozen=True)
-class BatchNormalized:
+class BatchNormalized(_Piece):
     """Wrap a correction so its kept weights average 1 over the batch (all ranks of ``group``)."""
 
     inner: object
     group: object | None = None
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        c = self.inner(inputs)
-        w = batch_normalize(c.weights, c.mask, group=self.group)
-        return finalize(w, c.mask, inputs, {k: v for k, v in c.metrics.items()
-                                            if k in _PIECE_KEYS})
+    def transform(self, inputs, lr, clean):
+        w, kept, extra = transform_of(self.inner, inputs, lr, clean)
+        return batch_normalize(w, kept, group=self.group), kept, extra
 
     def __repr__(self) -> str:
         return f"BatchNormalized({self.inner!r})"
 
 
-_PIECE_KEYS = {"correction/truncated_frac", "correction/band_rejected_frac",
-               "correction/vetoed_seqs", "correction/divergence_rejected_seqs",
-               "correction/tail_rejected_seqs", "correction/opsm_rejected_seqs",
-               "correction/nonfinite_count"}
 
 
 def tis(cap: float = 2.0, floor: float = 0.0) -> TIS:

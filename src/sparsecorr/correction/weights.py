@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_choice, check_float_tensor, check_mask
+from .._checks import check_choice, check_float_tensor, check_mask, count
 from .._dist import all_reduce_sum
 from ..mismatch import sequence_log_ratio
 
@@ -87,6 +87,6 @@ def batch_normalize(
     check_float_tensor("weights", weights)
     check_mask(mask, weights)
     w = torch.where(mask, weights.detach().float(), 0.0)
-    total = all_reduce_sum(torch.stack([w.sum(), mask.sum().float()]), group)
+    total = all_reduce_sum(torch.stack([w.sum(), count(mask)]), group)
     mean = total[0] / total[1].clamp(min=1)
     return torch.where(mean > 0, w / mean.clamp(min=1e-30), w)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_choice, check_mask
+from .._checks import check_choice, check_mask, count
 
 __all__ = ["AGGREGATIONS", "aggregate", "aggregation_coefficients", "row_scales"]
 
@@ -69,9 +69,9 @@ def row_scales(
                          f"of shape {tuple(getattr(mask, 'shape', ()))}")
     b = mask.shape[0]
     if mode == "token-mean":
-        n = _count(num_tokens, mask.sum().float(), "num_tokens")
+        n = _count(num_tokens, count(mask), "num_tokens")
         return (1.0 / n.clamp(min=1.0)).expand(b)
-    n_i = mask.sum(dim=1).float()
+    n_i = count(mask, dim=1)
     s = _count(num_sequences, (n_i > 0).float().sum(), "num_sequences").clamp(min=1.0)
     if mode == "seq-mean-token-mean":
         return 1.0 / (n_i.clamp(min=1.0) * s)

@@ -23,7 +23,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .._checks import check_choice, check_float_tensor, check_mask, check_positive, check_same_shape
+from .._checks import (
+    check_choice,
+    check_float_tensor,
+    check_mask,
+    check_positive,
+    check_same_shape,
+    count,
+)
+from .._checks import finite as _finite
 from ..correction.base import Correction, CorrectionInputs
 from ..mismatch import LOG_RATIO_CLAMP, mismatch_metrics
 from .aggregation import AGGREGATIONS, row_scales
@@ -67,25 +75,20 @@ def _apply_correction(correction, logp, old_logp, rollout_logp, mask, advantages
     return corr
 
 
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    """``isfinite`` in two passes (``|x| < inf`` is False for NaN and ±inf)."""
-    return x.abs() < float("inf")
-
-
 def _clip_metrics(sur: Surrogate, adv: torch.Tensor, *, n, dual_clip) -> dict[str, torch.Tensor]:
     """Fractions of kept tokens on the clipped (zero-gradient) branch, by side of the clip."""
     t = sur.unclipped.shape[1]
-    clipped_rows = t - sur.unclipped.sum(dim=1)  # not-kept entries count as unclipped
-    c_all = clipped_rows.sum().float()
+    clipped_rows = t - count(sur.unclipped, dim=1)  # not-kept entries count as unclipped
+    c_all = clipped_rows.sum()
     if adv.shape[1] == 1:
-        c_neg = (clipped_rows * (adv[:, 0] < 0)).sum().float()
+        c_neg = (clipped_rows * (adv[:, 0] < 0)).sum()
     else:
-        c_neg = (~sur.unclipped & (adv < 0)).sum().float()
+        c_neg = count(~sur.unclipped & (adv < 0))
     out = {"loss/clip_frac_high": (c_all - c_neg) / n}
     if dual_clip is None:
         out["loss/clip_frac_low"] = c_neg / n
     else:
-        c_dual = (~sur.unclipped & (adv < 0) & (sur.ratio > 1.0)).sum().float()
+        c_dual = count(~sur.unclipped & (adv < 0) & (sur.ratio > 1.0))
         out["loss/clip_frac_low"] = (c_neg - c_dual) / n
         out["loss/clip_frac_dual"] = c_dual / n
     return out
@@ -106,7 +109,7 @@ def _sequence_surrogate(logp, old_logp, kept, adv, weights, scales, *, clip_low,
                         dual_clip) -> Surrogate:
     """GSPO: one length-normalised ratio per row (plain autograd; ``[B, 1]`` tensors are cheap)."""
     raw = torch.where(kept, logp.float() - old_logp.float(), 0.0)
-    n_i = kept.sum(dim=1, keepdim=True).clamp(min=1).float()
+    n_i = count(kept, dim=1, keepdim=True).clamp(min=1)
     ratio = (raw.sum(dim=1, keepdim=True) / n_i).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     lo, hi = ratio_bounds(adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
     clipped = torch.clamp(ratio, lo, hi)
@@ -219,7 +222,7 @@ def sparse_grpo(
     kept, weights = mask, None
     if rollout_logp is not None:
         finite = _finite(rollout_logp)
-        metrics["loss/nonfinite_rollout"] = (mask & ~finite).sum().float()
+        metrics["loss/nonfinite_rollout"] = count(mask & ~finite)
         kept = mask & finite
         if correction is not None:
             corr = _apply_correction(correction, logp, old_logp, rollout_logp, mask, advantages,
@@ -239,13 +242,13 @@ def sparse_grpo(
                     clip_high=clip_high, dual_clip=dual_clip)
     token_loss, loss = sur.token_loss, sur.loss
     with torch.no_grad():
-        n = kept.sum().float()
+        n = count(kept)
         n1 = n.clamp(min=1.0)
         metrics.update(_clip_metrics(sur, adv, n=n1, dual_clip=dual_clip))
         metrics.update(_ratio_stats(sur, kept, n))
         metrics["loss/ppo_kl_k1_mean"] = -sur.log_ratio_sum / n1
         metrics["loss/tokens"] = n
-        metrics["loss/sequences"] = kept.any(dim=1).sum().float()
+        metrics["loss/sequences"] = count(kept.any(dim=1))
         metrics["loss/weight_mean"] = n / n1 if weights is None else weights.sum() / n1
         metrics["loss/pg_loss"] = loss.detach()
     if ref_logp is not None:

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .._checks import check_float_tensor, check_mask, check_same_shape
+from .._checks import check_float_tensor, check_mask, check_same_shape, count
+from .._checks import finite as _finite
 from .._dist import all_gather_varlen, all_reduce_max, all_reduce_min, all_reduce_sum
 from .metrics import log_ratio as _log_ratio
 from .quantiles import masked_quantile
@@ -72,10 +73,10 @@ def mismatch_metrics(
     check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp)
     check_mask(mask, old_logp)
     with torch.no_grad():
-        finite = torch.isfinite(old_logp) & torch.isfinite(rollout_logp)
+        finite = _finite(old_logp) & _finite(rollout_logp)
         valid = mask & finite
         lr = _log_ratio(old_logp, rollout_logp, valid)
-        n = all_reduce_sum(valid.sum().float(), group)
+        n = all_reduce_sum(count(valid), group)
         denom = n.clamp(min=1)
 
         def mean(x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,7 @@ def mismatch_metrics(
         ratio = lr.exp()
         out = {
             "mismatch/tokens": n,
-            "mismatch/nonfinite_count": all_reduce_sum((mask & ~finite).sum().float(), group),
+            "mismatch/nonfinite_count": all_reduce_sum(count(mask & ~finite), group),
             "mismatch/log_ratio_mean": mean(lr),
             "mismatch/log_ratio_abs_mean": mean(lr.abs()),
             "mismatch/log_ratio_abs_max": all_reduce_max(torch.where(valid, lr.abs(), 0.0).amax(), group),
@@ -105,9 +106,9 @@ def mismatch_metrics(
         if acceptance is not None:
             check_float_tensor("acceptance", acceptance)
             check_same_shape(old_logp=old_logp, acceptance=acceptance)
-            acc_valid = valid & torch.isfinite(acceptance)
+            acc_valid = valid & _finite(acceptance)
             acc = acceptance.float()
-            n_acc = all_reduce_sum(acc_valid.sum().float(), group)
+            n_acc = all_reduce_sum(count(acc_valid), group)
             out["mismatch/acceptance_mean"] = all_reduce_sum(
                 torch.where(acc_valid, acc, 0.0).sum(), group) / n_acc.clamp(min=1)
             if quantiles:
