@@ -22,10 +22,13 @@ $(STAMP): $(BIN)/python $(INSTALL_INPUTS)
 	@$(BIN)/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
 	  || $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(BIN)/python -m pip install --quiet -e ".[dev,plot]"
+	@# peers for the parity tests: TRL 1.16 (CPU-installable), OpenRLHF 0.11 without its
+	@# GPU-only dependencies (tests load its loss through tests/openrlhf_shim.py)
+	$(BIN)/python -m pip install --quiet "trl>=1.16,<1.17"
+	$(BIN)/python -m pip install --quiet --no-deps "openrlhf>=0.11,<0.12"
 	@if [ -f integrations/trl/pyproject.toml ]; then \
 	  $(BIN)/python -m pip install --quiet -e "integrations/trl[trl]"; fi
 	@if [ -f integrations/openrlhf/pyproject.toml ]; then \
-	  $(BIN)/python -m pip install --quiet --no-deps "openrlhf>=0.11,<0.12" && \
 	  $(BIN)/python -m pip install --quiet -e integrations/openrlhf; fi
 	@$(BIN)/python -c "import torch; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	@touch $(STAMP)
