@@ -1,17 +1,14 @@
 """2-process gloo: sparse_grpo + sparse_rl(group=...) with all-reduced counts on two uneven
 shards sums (loss and gradient) to the single-process result on the whole batch."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sparsecorr._dist import all_reduce_sum
 from sparsecorr.correction import CorrectionInputs, sparse_rl
 from sparsecorr.losses import sparse_grpo
+from tests.distributed import run_gloo
 
 pytestmark = pytest.mark.dist
 
@@ -41,30 +38,17 @@ def _loss(logp, old, rollout, mask, adv, aggregation, group=None):
     return out.loss.detach(), lp.grad
 
 
-def _worker(rank: int, world: int, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        rows = SHARDS[rank]
-        res = {}
-        for aggregation in ("token-mean", "seq-mean-token-mean"):
-            loss, grad = _loss(*(x[rows] for x in _batch()), aggregation, group=dist.group.WORLD)
-            res[aggregation] = (float(loss), grad.tolist())
-        out[rank] = res
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, world: int) -> dict:
+    rows = SHARDS[rank]
+    res = {}
+    for aggregation in ("token-mean", "seq-mean-token-mean"):
+        loss, grad = _loss(*(x[rows] for x in _batch()), aggregation, group=dist.group.WORLD)
+        res[aggregation] = (float(loss), grad.tolist())
+    return res
 
 
 def test_two_ranks_sum_to_single_process():
-    ctx = mp.get_context("spawn")
-    out = ctx.Manager().dict()
-    mp.start_processes(_worker, args=(2, _free_port(), out), nprocs=2, join=True, start_method="spawn")
+    out = run_gloo(_worker, world=2)
     for aggregation in ("token-mean", "seq-mean-token-mean"):
         loss, grad = _loss(*_batch(), aggregation)
         total = out[0][aggregation][0] + out[1][aggregation][0]
