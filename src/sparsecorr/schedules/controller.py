@@ -1,0 +1,116 @@
+"""``TailController``: adjust a schedule online from streaming tail statistics.
+
+Every step, the trainer feeds the per-token acceptance of its rollouts (with their prompt
+lengths) into per-bin sketches. Between steps, :meth:`TailController.step` reads each bin's
+tail (``q`` quantile) and raises that bin's budget to the next candidate when the tail is below
+``tau``, or lowers it by one candidate when it has stayed comfortably above (``tau + margin``)
+for ``patience`` consecutive steps — never outside ``[min_budget, max_budget]``, and keeping
+the schedule monotone. Every change is logged with the statistic that caused it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..mismatch import BinnedQuantileSketch
+from .schedule import BudgetSchedule
+
+__all__ = ["TailController"]
+
+
+@dataclass
+class TailController:
+    """Online budget adjustment (see the module docstring).
+
+    Args:
+        schedule: the schedule to adjust (a new one is produced at every change).
+        candidates: allowed budgets, ascending (the steps of a raise or a lowering).
+        tau: threshold on the tail statistic (Sparrow: 0.86).
+        q: tail level (0.05).
+        margin: lower a bin only when its tail is above ``tau + margin``.
+        patience: consecutive comfortable steps before lowering.
+        min_tokens: bins with fewer tokens since the last step are left alone.
+    """
+
+    schedule: BudgetSchedule
+    candidates: list[int]
+    tau: float = 0.86
+    q: float = 0.05
+    margin: float = 0.05
+    patience: int = 3
+    min_tokens: int = 64
+    log: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("candidates: expected at least one budget")
+        self.candidates = sorted(set(self.candidates))
+        n = len(self.schedule.budgets)
+        self._sketch = BinnedQuantileSketch(0.0, 1.0, bin_size=self.schedule.bin_size, n_bins=n,
+                                            n_buckets=512)
+        self._comfort = [0] * n
+        self.steps = 0
+
+    def observe(self, acceptance: torch.Tensor, mask: torch.Tensor,
+                offset: torch.Tensor | None = None) -> None:
+        """Add per-token acceptance ``[B, T]`` (offset = prompt lengths ``[B]``)."""
+        self._sketch.update(acceptance.float(), mask, offset)
+
+    def _move(self, budget: int | None, up: bool) -> int | None:
+        if budget is None:
+            return None if up else self.candidates[-1]
+        higher = [c for c in self.candidates if c > budget]
+        lower = [c for c in self.candidates if c < budget]
+        if up:
+            return higher[0] if higher else None  # past the largest candidate: dense
+        return lower[-1] if lower else budget
+
+    def step(self) -> BudgetSchedule:
+        """Update the schedule from the statistics gathered since the last step."""
+        tails = self._sketch.quantile(self.q)
+        counts = self._sketch.bin_counts
+        budgets = list(self.schedule.budgets)
+        for i, (tail, n) in enumerate(zip(tails.tolist(), counts.tolist())):
+            if n < self.min_tokens:
+                continue
+            old = budgets[i]
+            if tail < self.tau:
+                budgets[i], self._comfort[i] = self._move(old, up=True), 0
+                reason = "below tau"
+            elif tail > self.tau + self.margin:
+                self._comfort[i] += 1
+                if self._comfort[i] < self.patience:
+                    continue
+                budgets[i], self._comfort[i] = self._move(old, up=False), 0
+                reason = "above tau + margin"
+            else:
+                self._comfort[i] = 0
+                continue
+            if budgets[i] != old:
+                self.log.append({"step": self.steps, "bin": i, "old": old, "new": budgets[i],
+                                 "tail": tail, "tokens": int(n), "reason": reason})
+        for i in range(1, len(budgets)):  # keep it monotone: never smaller than an earlier bin
+            prev, cur = budgets[i - 1], budgets[i]
+            if prev is None or (cur is not None and cur < prev):
+                budgets[i] = prev
+        self.schedule = BudgetSchedule(self.schedule.bin_size, tuple(budgets), meta=self.schedule.meta)
+        self._sketch.reset()
+        self.steps += 1
+        return self.schedule
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule.to_dict(), "candidates": self.candidates, "tau": self.tau,
+                "q": self.q, "margin": self.margin, "patience": self.patience,
+                "min_tokens": self.min_tokens, "comfort": list(self._comfort), "steps": self.steps,
+                "log": list(self.log)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> TailController:
+        ctl = cls(BudgetSchedule.from_dict(state["schedule"]), list(state["candidates"]),
+                  tau=state["tau"], q=state["q"], margin=state["margin"],
+                  patience=state["patience"], min_tokens=state["min_tokens"], log=list(state["log"]))
+        ctl._comfort, ctl.steps = list(state["comfort"]), int(state["steps"])
+        return ctl

@@ -1,0 +1,119 @@
+r"""``fit_schedule``: the cheapest budget per length bin that keeps the tail statistic ≥ tau.
+
+Solved exactly by dynamic programming over (bin, budget option, number of distinct budgets so
+far): with ``monotone=True`` a bin's budget is never smaller than the previous bin's (dense is
+the largest option), and ``max_steps`` bounds the number of segments of the step function.
+The cost of a budget in a bin is the cost model's decode cost of the bin's tokens when a
+:class:`CostModel` is given, else the KV read per token, ``min(budget, context)`` at the
+middle of the bin (dense: the context). A bin where no
+candidate reaches tau — including a bin with no calibration tokens — falls back to dense, and a
+warning names it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from .cost import CostModel
+from .schedule import BudgetSchedule
+from .table import CalibrationTable
+
+__all__ = ["fit_schedule", "schedule_cost_matrix"]
+
+DENSE = None
+
+
+def schedule_cost_matrix(budgets: list[int], n_bins: int, bin_size: int,
+                         cost_model: CostModel | None, *, n: int = 1, l_in: int = 0) -> np.ndarray:
+    """``[n_bins, n_budgets + 1]`` cost of decoding each bin's tokens with each option (last =
+    dense)."""
+    out = np.zeros((n_bins, len(budgets) + 1))
+    for i in range(n_bins):
+        if cost_model is None:  # KV read per token at the middle of the bin
+            mid = (i + 0.5) * bin_size
+            out[i, :-1] = np.minimum(budgets, mid)
+            out[i, -1] = mid
+            continue
+        t0 = i * bin_size
+        dense = cost_model.dense_steps(n=n, l_in=l_in, l_out=t0 + bin_size)[t0:]
+        out[i, -1] = dense.sum()
+        for j, b in enumerate(budgets):
+            sparse = cost_model.budget_steps(n=n, l_in=l_in, l_out=t0 + bin_size, budget=b)[t0:]
+            out[i, j] = np.minimum(sparse, dense).sum()
+    return out
+
+
+def fit_schedule(table: CalibrationTable, *, tau: float = 0.86, cost_model: CostModel | None = None,
+                 monotone: bool = True, max_steps: int | None = None, min_tokens: int = 1,
+                 n: int = 1, l_in: int = 0) -> BudgetSchedule:
+    """Cheapest feasible schedule (exact DP; see the module docstring).
+
+    Args:
+        table: calibration table (tail statistic per budget × bin).
+        tau: stability threshold on the tail statistic (Sparrow: 0.86).
+        cost_model: ranks options by decode cost; without it, by budget size.
+        monotone: budgets never shrink as context grows.
+        max_steps: at most this many distinct segments (None = unbounded).
+        min_tokens: a cell with fewer tokens does not count as evidence (treated as infeasible).
+        n: samples per prompt for the cost model.
+        l_in: prompt length for the cost model.
+
+    Returns:
+        the schedule; ``meta`` holds tau, the dense-fallback bins and, with a cost model, the
+        predicted speedup over the calibrated bins.
+    """
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"max_steps: expected None or a positive int, got {max_steps!r}")
+    vals, counts = table.values.numpy(), table.counts.numpy()
+    feasible = (counts.T >= min_tokens) & (np.nan_to_num(vals.T, nan=-1.0) >= tau)  # [bins, budgets]
+    n_bins, k = feasible.shape[0], len(table.budgets)
+    feasible = np.concatenate([feasible, np.ones((n_bins, 1), dtype=bool)], axis=1)  # dense always
+    cost = schedule_cost_matrix(table.budgets, n_bins, table.bin_size, cost_model, n=n, l_in=l_in)
+    steps_cap = n_bins if max_steps is None else max_steps
+    inf = math.inf
+    best = np.full((n_bins, k + 1, steps_cap + 1), inf)
+    back = np.zeros((n_bins, k + 1, steps_cap + 1, 2), dtype=int)
+    for j in range(k + 1):
+        if feasible[0, j]:
+            best[0, j, 1] = cost[0, j]
+    for i in range(1, n_bins):
+        for j in range(k + 1):
+            if not feasible[i, j]:
+                continue
+            for jp in range(k + 1):
+                if monotone and jp > j:
+                    continue
+                for s in range(1, steps_cap + 1):
+                    prev = best[i - 1, jp, s]
+                    if prev == inf:
+                        continue
+                    s2 = s if jp == j else s + 1
+                    if s2 > steps_cap:
+                        continue
+                    c = prev + cost[i, j]
+                    if c < best[i, j, s2]:
+                        best[i, j, s2], back[i, j, s2] = c, (jp, s)
+    j, s = np.unravel_index(np.argmin(best[-1]), best[-1].shape)
+    if best[-1, j, s] == inf:
+        raise ValueError("max_steps: no schedule satisfies the constraints")  # pragma: no cover
+    choice = [0] * n_bins
+    for i in range(n_bins - 1, -1, -1):
+        choice[i] = int(j)
+        if i:
+            j, s = back[i, j, s]
+    budgets = [None if c == k else table.budgets[c] for c in choice]
+    fallback = [i for i in range(n_bins) if not feasible[i, :k].any()]
+    if fallback:
+        ranges = ", ".join(f"{i * table.bin_size}-{(i + 1) * table.bin_size}" for i in fallback)
+        warnings.warn(f"fit_schedule: no budget reaches tau={tau} in bins {fallback} "
+                      f"(context {ranges}); they fall back to dense", stacklevel=2)
+    meta = {"tau": tau, "q": table.q, "dense_fallback_bins": fallback, "monotone": monotone,
+            "max_steps": max_steps}
+    schedule = BudgetSchedule(bin_size=table.bin_size, budgets=tuple(budgets), meta=meta)
+    if cost_model is not None:
+        l_out = n_bins * table.bin_size
+        meta["predicted_speedup"] = cost_model.speedup(schedule, n=n, l_in=l_in, l_out=l_out)
+    return schedule

@@ -1,0 +1,117 @@
+"""``BudgetSchedule``: a step function of total context length -> KV budget (None = dense).
+
+The interface ``sparsecorr.decoding.generate`` accepts (``budget_at(context_len)``), with JSON
+round-trip and schema validation, Sparrow-style page tables, and presets shipped as data.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._io import atomic_write_json
+
+__all__ = ["SPARROW_PRESETS", "BudgetSchedule"]
+
+FORMAT = "sparsecorr.BudgetSchedule/1"
+_SPARROW_SOURCE = ("Sparrow (Zhou et al., 2026, arXiv 2606.08446), released schedules: pages per "
+                   "2,000-token bin of total context at tau = 0.86; budget = (pages + 3) x 16 tokens")
+
+#: pages per 2,000-token bin, from the Sparrow repository (issue 6 lists them)
+SPARROW_PRESETS: dict[str, list[int]] = {
+    "sparrow-qwen3-1.7b-0.86": [29, 61, 93, 93, 125, 157, 189, 221, 221] + [253] * 11,
+    "sparrow-qwen3-4b-0.86": [29, 45, 61, 77, 93, 125, 157, 221, 253, 253] + [317] * 4 + [381] * 4 + [509] * 2,
+    "sparrow-qwen3-8b-0.86": [29, 45, 61, 77, 125, 157, 189] + [253] * 4 + [317] * 6 + [385, 445, 445],
+}
+
+
+@dataclass(frozen=True)
+class BudgetSchedule:
+    """Budget per bin of ``bin_size`` tokens of total context; the last bin extends to infinity.
+
+    Attributes:
+        bin_size: tokens per bin (Sparrow: 2,000).
+        budgets: one budget per bin (tokens), None for dense.
+        meta: free-form provenance (source, tau, predicted speedup ...).
+    """
+
+    bin_size: int
+    budgets: tuple[int | None, ...]
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bin_size, int) or self.bin_size < 1:
+            raise ValueError(f"bin_size: expected a positive int, got {self.bin_size!r}")
+        if not self.budgets:
+            raise ValueError("budgets: expected at least one bin, got none")
+        for i, b in enumerate(self.budgets):
+            if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+                raise ValueError(f"budgets[{i}]: expected a positive int or null, got {b!r}")
+        object.__setattr__(self, "budgets", tuple(self.budgets))
+
+    def budget_at(self, context_len: int) -> int | None:
+        """The budget in force at ``context_len`` total tokens (None = dense)."""
+        return self.budgets[min(max(int(context_len), 0) // self.bin_size, len(self.budgets) - 1)]
+
+    # -- pages (Sparrow tables) ---------------------------------------------------------------
+    def to_pages(self, page_size: int = 16, extra_pages: int = 3) -> list[int | None]:
+        """Pages per bin, inverting ``budget = (pages + extra_pages) * page_size``."""
+        return [None if b is None else b // page_size - extra_pages for b in self.budgets]
+
+    @classmethod
+    def from_pages(cls, pages: list[int | None], *, bin_size: int = 2000, page_size: int = 16,
+                   extra_pages: int = 3, meta: dict | None = None) -> BudgetSchedule:
+        """From Sparrow's page counts: ``budget = (pages + extra_pages) * page_size``."""
+        budgets = [None if p is None else (int(p) + extra_pages) * page_size for p in pages]
+        return cls(bin_size=bin_size, budgets=tuple(budgets), meta=dict(meta or {}))
+
+    @classmethod
+    def preset(cls, name: str) -> BudgetSchedule:
+        """A shipped schedule: ``sparrow-qwen3-1.7b-0.86``, ``...-4b-0.86``, ``...-8b-0.86``."""
+        if name not in SPARROW_PRESETS:
+            raise ValueError(f"name: expected one of {sorted(SPARROW_PRESETS)}, got {name!r}")
+        return cls.from_pages(SPARROW_PRESETS[name], meta={"name": name, "source": _SPARROW_SOURCE})
+
+    # -- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "bin_size": self.bin_size, "budgets": list(self.budgets), "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> BudgetSchedule:
+        if not isinstance(data, dict):
+            raise ValueError(f"schedule: expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format: expected {FORMAT!r}, got {data.get('format')!r}")
+        for key in ("bin_size", "budgets"):
+            if key not in data:
+                raise ValueError(f"{key}: missing from the schedule")
+        if not isinstance(data["budgets"], list):
+            raise ValueError(f"budgets: expected a list, got {type(data['budgets']).__name__}")
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta: expected an object, got {type(meta).__name__}")
+        return cls(bin_size=data["bin_size"], budgets=tuple(data["budgets"]), meta=meta)
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> BudgetSchedule:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"path: no schedule file at {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"path: {path} is not valid JSON ({exc})") from None
+        return cls.from_dict(data)
+
+    def table(self) -> str:
+        """A printable table: context range -> budget."""
+        lines = ["| context tokens | budget |", "|---|---:|"]
+        for i, b in enumerate(self.budgets):
+            hi = "∞" if i == len(self.budgets) - 1 else f"{(i + 1) * self.bin_size:,}"
+            lines.append(f"| {i * self.bin_size:,} – {hi} | {'dense' if b is None else b} |")
+        return "\n".join(lines)
