@@ -8,7 +8,7 @@ function of context length, exact DP) → ``generate(..., budget=schedule)`` →
 from .calibrate import calibrate
 from .controller import TailController
 from .cost import HARDWARE, MODEL_PRESETS, CostModel
-from .fit import fit_schedule, schedule_cost_matrix
+from .fit import fit_schedule, schedule_cost_matrix, solve_schedule
 from .schedule import SPARROW_PRESETS, BudgetSchedule
 from .table import CalibrationTable
 
@@ -23,4 +23,5 @@ __all__ = [
     "calibrate",
     "fit_schedule",
     "schedule_cost_matrix",
+    "solve_schedule",
 ]

@@ -21,7 +21,7 @@ from .cost import CostModel
 from .schedule import BudgetSchedule
 from .table import CalibrationTable
 
-__all__ = ["fit_schedule", "schedule_cost_matrix"]
+__all__ = ["fit_schedule", "schedule_cost_matrix", "solve_schedule"]
 
 DENSE = None
 
@@ -34,8 +34,9 @@ def schedule_cost_matrix(budgets: list[int], n_bins: int, bin_size: int,
     for i in range(n_bins):
         if cost_model is None:  # KV read per token at the middle of the bin
             mid = (i + 0.5) * bin_size
-            out[i, :-1] = np.minimum(budgets, mid)
-            out[i, -1] = mid
+            # equal reads (a budget >= the context) tie-break toward the smaller budget
+            out[i, :-1] = np.minimum(budgets, mid) + 1e-9 * np.asarray(budgets, dtype=float)
+            out[i, -1] = mid + 1e-9 * (max(budgets) + 1)
             continue
         t0 = i * bin_size
         dense = cost_model.dense_steps(n=n, l_in=l_in, l_out=t0 + bin_size)[t0:]
@@ -44,6 +45,50 @@ def schedule_cost_matrix(budgets: list[int], n_bins: int, bin_size: int,
             sparse = cost_model.budget_steps(n=n, l_in=l_in, l_out=t0 + bin_size, budget=b)[t0:]
             out[i, j] = np.minimum(sparse, dense).sum()
     return out
+
+
+def solve_schedule(feasible: np.ndarray, cost: np.ndarray, *, monotone: bool = True,
+                   max_steps: int | None = None) -> list[int]:
+    """Exact minimum-cost choice of one option per bin (option index = column).
+
+    Args:
+        feasible: ``[n_bins, n_options]`` bool; options are ordered by size (the last, dense,
+            must be feasible everywhere).
+        cost: ``[n_bins, n_options]`` cost of each option in each bin.
+        monotone: option indices never decrease along the bins.
+        max_steps: at most this many segments (runs of equal options).
+
+    Returns:
+        the chosen option index per bin.
+    """
+    n_bins, k1 = feasible.shape
+    steps_cap = n_bins if max_steps is None else max_steps
+    inf = math.inf
+    best = np.full((n_bins, k1, steps_cap + 1), inf)
+    back = np.zeros((n_bins, k1, steps_cap + 1, 2), dtype=int)
+    best[0, feasible[0], 1] = cost[0, feasible[0]]
+    for i in range(1, n_bins):
+        for j in np.flatnonzero(feasible[i]):
+            for jp in range(k1):
+                if monotone and jp > j:
+                    continue
+                for s in range(1, steps_cap + 1):
+                    prev = best[i - 1, jp, s]
+                    s2 = s if jp == j else s + 1
+                    if prev == inf or s2 > steps_cap:
+                        continue
+                    c = prev + cost[i, j]
+                    if c < best[i, j, s2]:
+                        best[i, j, s2], back[i, j, s2] = c, (jp, s)
+    j, s = np.unravel_index(np.argmin(best[-1]), best[-1].shape)
+    if best[-1, j, s] == inf:
+        raise ValueError("max_steps: no schedule satisfies the constraints")
+    choice = [0] * n_bins
+    for i in range(n_bins - 1, -1, -1):
+        choice[i] = int(j)
+        if i:
+            j, s = back[i, j, s]
+    return choice
 
 
 def fit_schedule(table: CalibrationTable, *, tau: float = 0.86, cost_model: CostModel | None = None,
@@ -72,38 +117,7 @@ def fit_schedule(table: CalibrationTable, *, tau: float = 0.86, cost_model: Cost
     n_bins, k = feasible.shape[0], len(table.budgets)
     feasible = np.concatenate([feasible, np.ones((n_bins, 1), dtype=bool)], axis=1)  # dense always
     cost = schedule_cost_matrix(table.budgets, n_bins, table.bin_size, cost_model, n=n, l_in=l_in)
-    steps_cap = n_bins if max_steps is None else max_steps
-    inf = math.inf
-    best = np.full((n_bins, k + 1, steps_cap + 1), inf)
-    back = np.zeros((n_bins, k + 1, steps_cap + 1, 2), dtype=int)
-    for j in range(k + 1):
-        if feasible[0, j]:
-            best[0, j, 1] = cost[0, j]
-    for i in range(1, n_bins):
-        for j in range(k + 1):
-            if not feasible[i, j]:
-                continue
-            for jp in range(k + 1):
-                if monotone and jp > j:
-                    continue
-                for s in range(1, steps_cap + 1):
-                    prev = best[i - 1, jp, s]
-                    if prev == inf:
-                        continue
-                    s2 = s if jp == j else s + 1
-                    if s2 > steps_cap:
-                        continue
-                    c = prev + cost[i, j]
-                    if c < best[i, j, s2]:
-                        best[i, j, s2], back[i, j, s2] = c, (jp, s)
-    j, s = np.unravel_index(np.argmin(best[-1]), best[-1].shape)
-    if best[-1, j, s] == inf:
-        raise ValueError("max_steps: no schedule satisfies the constraints")  # pragma: no cover
-    choice = [0] * n_bins
-    for i in range(n_bins - 1, -1, -1):
-        choice[i] = int(j)
-        if i:
-            j, s = back[i, j, s]
+    choice = solve_schedule(feasible, cost, monotone=monotone, max_steps=max_steps)
     budgets = [None if c == k else table.budgets[c] for c in choice]
     fallback = [i for i in range(n_bins) if not feasible[i, :k].any()]
     if fallback:
