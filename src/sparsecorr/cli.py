@@ -18,6 +18,9 @@ from . import __version__
 SUBCOMMANDS: dict[str, str] = {
     "demo": "sparsecorr.commands.demo",
     "decode": "sparsecorr.commands.decode",
+    "calibrate": "sparsecorr.commands.calibrate",
+    "schedule": "sparsecorr.commands.schedule",
+    "cost": "sparsecorr.commands.cost",
 }
 
 
