@@ -43,8 +43,9 @@ def _trainer_base():
 class SparseGRPOTrainer(_trainer_base()):
     """``GRPOTrainer`` whose every loss goes through ``sparsecorr.losses.sparse_grpo``.
 
+    Positional and keyword arguments are those of ``trl.GRPOTrainer``.
+
     Args:
-        *args, **kwargs: as ``trl.GRPOTrainer``.
         sparsecorr_config: what to correct and log (default ``SparseCorrConfig()``:
             the ``sparse_rl`` preset).
 
