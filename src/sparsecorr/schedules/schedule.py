@@ -16,15 +16,22 @@ from .._io import atomic_write_json
 __all__ = ["SPARROW_PRESETS", "BudgetSchedule"]
 
 FORMAT = "sparsecorr.BudgetSchedule/1"
-_SPARROW_SOURCE = ("Sparrow (Zhou et al., 2026, arXiv 2606.08446), released schedules: pages per "
-                   "2,000-token bin of total context at tau = 0.86; budget = (pages + 3) x 16 tokens")
+_PRESET_DIR = Path(__file__).with_name("presets")
 
-#: pages per 2,000-token bin, from the Sparrow repository (issue 6 lists them)
-SPARROW_PRESETS: dict[str, list[int]] = {
-    "sparrow-qwen3-1.7b-0.86": [29, 61, 93, 93, 125, 157, 189, 221, 221] + [253] * 11,
-    "sparrow-qwen3-4b-0.86": [29, 45, 61, 77, 93, 125, 157, 221, 253, 253] + [317] * 4 + [381] * 4 + [509] * 2,
-    "sparrow-qwen3-8b-0.86": [29, 45, 61, 77, 125, 157, 189] + [253] * 4 + [317] * 6 + [385, 445, 445],
-}
+
+def _load_presets() -> dict[str, dict[str, Any]]:
+    """The shipped Sparrow presets (``presets/*.json``, each with its citation)."""
+    out = {}
+    for f in sorted(_PRESET_DIR.glob("*.json")):
+        data = json.loads(f.read_text())
+        out[data["name"]] = data
+    return out
+
+
+_PRESET_DATA = _load_presets()
+
+#: pages per 2,000-token bin of Sparrow's released schedules (data: ``presets/*.json``)
+SPARROW_PRESETS: dict[str, list[int]] = {k: list(v["pages"]) for k, v in _PRESET_DATA.items()}
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,11 @@ class BudgetSchedule:
         """A shipped schedule: ``sparrow-qwen3-1.7b-0.86``, ``...-4b-0.86``, ``...-8b-0.86``."""
         if name not in SPARROW_PRESETS:
             raise ValueError(f"name: expected one of {sorted(SPARROW_PRESETS)}, got {name!r}")
-        return cls.from_pages(SPARROW_PRESETS[name], meta={"name": name, "source": _SPARROW_SOURCE})
+        d = _PRESET_DATA[name]
+        meta = {"name": name, "model": d["model"], "tau": d["tau"], "q": d["q"],
+                "citation": dict(d["citation"])}
+        return cls.from_pages(d["pages"], bin_size=d["bin_size"], page_size=d["page_size"],
+                              extra_pages=d["extra_pages"], meta=meta)
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

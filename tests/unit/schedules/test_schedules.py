@@ -23,7 +23,9 @@ def test_sparrow_presets_are_the_published_pages():
     assert len(SPARROW_PRESETS["sparrow-qwen3-4b-0.86"]) == 20
     assert BudgetSchedule.preset("sparrow-qwen3-8b-0.86").to_pages()[-3:] == [385, 445, 445]
     assert s.budget_at(0) == 512 and s.budget_at(1999) == 512 and s.budget_at(10**6) == 256 * 16
-    assert "Sparrow" in s.meta["source"]
+    assert "Sparrow" in s.meta["citation"]["paper"] and s.meta["citation"]["arxiv"]
+    assert s.meta["tau"] == 0.86 and s.meta["model"] == "Qwen/Qwen3-1.7B"
+    assert sorted(SPARROW_PRESETS) == [f"sparrow-qwen3-{k}-0.86" for k in ("1.7b", "4b", "8b")]
 
 
 def test_schedule_json_roundtrip_and_field_errors(tmp_path):
