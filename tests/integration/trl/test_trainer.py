@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("trl")
 from datasets import Dataset
 from sparsecorr_trl import (
+    SparseCorrCallback,
     SparseCorrConfig,
     SparseGRPOTrainer,
     check_trl_version,
@@ -19,6 +20,7 @@ from trl import GRPOConfig
 
 from sparsecorr.correction import sparse_rl, trl
 from sparsecorr.losses import sparse_grpo
+from sparsecorr.schedules import BudgetSchedule, TailController
 from tests.models import tiny_model
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 =?"
@@ -37,7 +39,7 @@ def _reward(completions, **kwargs):
     return [float(c.count("a")) for c in completions]
 
 
-def _trainer(tmp_path, **overrides):
+def _trainer(tmp_path, callbacks=None, **overrides):
     torch.manual_seed(0)
     data = Dataset.from_dict({"prompt": ["abc =", "xyz =", "key 12 =", "q ="] * 2})
     cfg = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
@@ -47,7 +49,7 @@ def _trainer(tmp_path, **overrides):
     args = GRPOConfig(**cfg)
     model = tiny_model("qwen3", vocab_size=64).train()
     return SparseGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=data,
-                             processing_class=_tokenizer(),
+                             processing_class=_tokenizer(), callbacks=callbacks,
                              sparsecorr_config=SparseCorrConfig("sparse_rl"))
 
 
@@ -109,3 +111,46 @@ def test_training_logs_metrics_and_loss_matches_hand(tmp_path):
                        norm_length=6.0).loss
     torch.testing.assert_close(got, want)
     assert trainer.vllm_importance_sampling_correction is False
+
+
+def _controller(budgets):
+    return TailController(BudgetSchedule(bin_size=4, budgets=budgets), [2, 4, 8], min_tokens=1)
+
+
+def test_callback_logs_schedule_and_checkpoint_resume_restores_it(tmp_path):
+    cb = SparseCorrCallback(_controller((2, 4, None)))
+    trainer = _trainer(tmp_path, callbacks=[cb], save_strategy="steps", save_steps=2)
+    trainer.train()
+    logged = {k for row in trainer.state.log_history for k in row}
+    assert "sparsecorr/schedule/bin_0" in logged
+    saved = cb.schedule
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / "sparsecorr_controller.json").is_file()
+    cb.controller = _controller((8, 8, 8))
+    assert cb.schedule != saved
+    trainer._load_from_checkpoint(str(ckpt))
+    assert cb.schedule == saved
+
+
+def test_callback_observes_rollout_acceptance(tmp_path):
+    cb = SparseCorrCallback(_controller((2, 4, None)))
+    trainer = _trainer(tmp_path, callbacks=[cb])
+    seen = []
+    cb.observe = lambda acc, mask, offset=None: seen.append((acc, mask))
+    b, t = 2, 4
+    comp = torch.randint(4, 40, (b, t))
+    roll = torch.full((b, t), -3.0)
+    roll[0, 0] = float("-inf")
+    inputs = dict(prompt_ids=torch.randint(4, 40, (b, 3)), prompt_mask=torch.ones(b, 3),
+                  completion_ids=comp, completion_mask=torch.ones(b, t, dtype=torch.long),
+                  advantages=torch.tensor([1.0, -1.0]), sampling_per_token_logps=roll)
+    with torch.no_grad():
+        trainer._compute_loss(trainer.model, inputs)
+    (acc, mask), = seen
+    assert acc.shape == (b, t) and bool((acc <= 1).all()) and bool((acc >= 0).all())
+    assert not bool(mask[0, 0]) and int(mask.sum()) == b * t - 1
+
+
+def test_callback_rejects_non_controller():
+    with pytest.raises(ValueError, match="controller"):
+        SparseCorrCallback(object())

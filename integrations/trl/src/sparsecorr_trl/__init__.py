@@ -1,10 +1,12 @@
 """TRL ``GRPOTrainer`` integration for sparsecorr (``pip install sparsecorr-trl[trl]``)."""
 
+from sparsecorr_trl.callback import SparseCorrCallback
 from sparsecorr_trl.config import AGGREGATION_BY_LOSS_TYPE, SparseCorrConfig, validate_grpo_args
 from sparsecorr_trl.trainer import SparseGRPOTrainer, check_trl_version
 
 __all__ = [
     "AGGREGATION_BY_LOSS_TYPE",
+    "SparseCorrCallback",
     "SparseCorrConfig",
     "SparseGRPOTrainer",
     "check_trl_version",

@@ -89,9 +89,33 @@ class SparseGRPOTrainer(_trainer_base()):
             kl_coef=float(self.beta),
         )
         self._log_sparsecorr(out.metrics)
+        if rollout_logp is not None:
+            self._observe_acceptance(old_logp, rollout_logp, mask)
         mode = "train" if self.model.training else "eval"
-        scale = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        scale = getattr(self, "current_gradient_accumulation_steps", 1) if mode == "train" else 1.0
         return out.loss / scale
+
+    def _callbacks(self):
+        from sparsecorr_trl.callback import SparseCorrCallback
+
+        return [c for c in self.callback_handler.callbacks if isinstance(c, SparseCorrCallback)]
+
+    def _observe_acceptance(self, old_logp, rollout_logp, mask) -> None:
+        lr = (old_logp.detach().float() - rollout_logp.float()).clamp(-20.0, 20.0)
+        acceptance = torch.exp(lr.clamp(max=0.0))
+        ok = mask & (rollout_logp.abs() < float("inf"))
+        for cb in self._callbacks():
+            cb.observe(acceptance, ok)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        for cb in self._callbacks():
+            cb.load_checkpoint(resume_from_checkpoint)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        for cb in self._callbacks():
+            logs.update(cb.schedule_metrics())
+        super().log(logs, *args, **kwargs)
 
     def _log_sparsecorr(self, metrics: dict[str, torch.Tensor]) -> None:
         if not self.sparsecorr_config.log_metrics:
