@@ -11,6 +11,7 @@ loop with the tokens given, so for the same tokens it reproduces ``generate``'s 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -122,10 +123,12 @@ def _run(model, input_ids, attention_mask, *, policy, budget, max_new_tokens, te
         pos = (pmask.long().cumsum(1) - 1).clamp(min=0)
         cache.new_pos, cache.new_valid = pos, pmask
         cache.step_budget = _budgets(budget_obj, prompt_len.cpu()).to(device)
+        t_start = time.perf_counter()
         out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
         logits = out.logits[:, -1]
         cache.compress_if_needed(cache.step_budget)
         cache.peak_bytes = cache.kv_bytes()
+        t_prefill = time.perf_counter()
         bar = tqdm(total=max_new_tokens, disable=not progress, desc=f"decode {policy.name}")
         for t in range(max_new_tokens):
             rows = active
@@ -185,6 +188,7 @@ def _run(model, input_ids, attention_mask, *, policy, budget, max_new_tokens, te
             cache.peak_bytes = max(cache.peak_bytes, cache.kv_bytes())
             bar.update(1)
         bar.close()
+        t_end = time.perf_counter()
     lengths = out_mask.sum(1)
     mask = out_mask & ~pruned[:, None]
     return RolloutBatch(
@@ -195,7 +199,8 @@ def _run(model, input_ids, attention_mask, *, policy, budget, max_new_tokens, te
         meta={"policy": repr(policy), "backend": cache.backend.name, "dtype": str(next(model.parameters()).dtype),
               "temperature": temperature, "top_k": top_k, "top_p": top_p,
               "budget": budget if isinstance(budget, int) or budget is None else repr(budget),
-              "seed": None if generator is None else int(generator.initial_seed())},
+              "seed": None if generator is None else int(generator.initial_seed()),
+              "prefill_s": t_prefill - t_start, "decode_s": t_end - t_prefill},
     )
 
 

@@ -38,7 +38,7 @@ class RolloutBatch:
         peak_kv_bytes: largest KV cache held during generation (bytes, all layers).
         pruned: ``[B]`` bool, stopped by a pruner.
         pruned_at: ``[B]`` generated length at which the row was pruned (-1 if not).
-        meta: policy, backend, dtype, seed, sampling settings.
+        meta: policy, backend, dtype, seed, sampling settings, prefill and decode wall time (s).
     """
 
     tokens: torch.Tensor
