@@ -109,7 +109,7 @@ def write_report(out: Path, *, rows, table, schedule, config, calib_s: float) ->
     else:
         verdict = ("no clear degradation of the uncorrected aggressive-budget arm relative to "
                    f"dense (difference {dense - unc:+.3f}, within {margin:.3f}) at this scale "
-                   "(tiny random-init model, few steps): the run shows the machinery, not the "
+                   "(tiny model, few steps): the run shows the machinery, not the "
                    "effect")
     if all(b is None for b in schedule.budgets):
         verdict += ("; no calibrated budget reached tau in any bin, so the fitted schedule is "

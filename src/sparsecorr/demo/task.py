@@ -12,16 +12,22 @@ Shapes:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+ASSET = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
 VOCAB = 64
 FIRST_KEY = 4
 
 
-def demo_model(seed: int = 0):
-    """A seeded tiny Qwen3 built from its config (no hub, no shipped weights)."""
+def demo_model(seed: int = 0, *, pretrained: bool = True):
+    """The tiny Qwen3: the shipped pre-trained weights (``sparsecorr/assets/demo_model``, made by
+    ``scripts/make_demo_model.py``) when present and ``pretrained``, else a seeded random init."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    if pretrained and (ASSET / "model.safetensors").is_file():
+        return Qwen3ForCausalLM.from_pretrained(ASSET, attn_implementation="eager")
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
