@@ -32,7 +32,7 @@ class DemoConfig:
     aggressive_budget: int = 8
     tau: float = 0.86
     bin_size: int = 16
-    lr: float = 3e-3
+    lr: float = 5e-4
     seed: int = 0
 
     @classmethod
