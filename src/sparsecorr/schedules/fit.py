@@ -6,8 +6,9 @@ the largest option), and ``max_steps`` bounds the number of segments of the step
 The cost of a budget in a bin is the cost model's decode cost of the bin's tokens when a
 :class:`CostModel` is given, else the KV read per token, ``min(budget, context)`` at the
 middle of the bin (dense: the context). A bin where no
-candidate reaches tau — including a bin with no calibration tokens — falls back to dense, and a
-warning names it.
+candidate reaches tau — including an empty bin after the first calibrated one — falls back to
+dense, and a warning names it. Bins *before* the first calibrated token hold only prompt
+positions (nothing is decoded there) and accept any budget.
 """
 
 from __future__ import annotations
@@ -115,11 +116,16 @@ def fit_schedule(table: CalibrationTable, *, tau: float = 0.86, cost_model: Cost
     vals, counts = table.values.numpy(), table.counts.numpy()
     feasible = (counts.T >= min_tokens) & (np.nan_to_num(vals.T, nan=-1.0) >= tau)  # [bins, budgets]
     n_bins, k = feasible.shape[0], len(table.budgets)
+    # bins before the first calibrated token hold only prompt positions: nothing is decoded
+    # there, so any budget is acceptable (without this, a monotone fit would be forced dense)
+    seen = np.flatnonzero(counts.sum(axis=0) >= min_tokens)
+    leading = int(seen[0]) if seen.size else 0
+    feasible[:leading] = True
     feasible = np.concatenate([feasible, np.ones((n_bins, 1), dtype=bool)], axis=1)  # dense always
     cost = schedule_cost_matrix(table.budgets, n_bins, table.bin_size, cost_model, n=n, l_in=l_in)
     choice = solve_schedule(feasible, cost, monotone=monotone, max_steps=max_steps)
     budgets = [None if c == k else table.budgets[c] for c in choice]
-    fallback = [i for i in range(n_bins) if not feasible[i, :k].any()]
+    fallback = [i for i in range(n_bins) if not feasible[i, :k].any()]  # leading bins excluded
     if fallback:
         ranges = ", ".join(f"{i * table.bin_size}-{(i + 1) * table.bin_size}" for i in fallback)
         warnings.warn(f"fit_schedule: no budget reaches tau={tau} in bins {fallback} "

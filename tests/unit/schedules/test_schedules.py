@@ -142,3 +142,14 @@ def test_cost_model_errors():
     with pytest.raises(ValueError, match="intensity"):
         CostModel.from_config("qwen3-4b", intensity="tpu")
     assert math.isclose(CostModel.from_config("qwen3-4b").gqa_ratio, 4.0)
+
+
+def test_prompt_only_leading_bins_do_not_force_dense():
+    """Bins before the first generated token (prompt positions only) accept any budget."""
+    table = CalibrationTable(budgets=[8, 16], bin_size=10, n_bins=4)
+    for b in (8, 16):  # generated tokens start at position 20 (a 20-token prompt)
+        table.add(b, torch.full((1, 20), 0.99), torch.ones(1, 20, dtype=torch.bool), torch.tensor([20]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no dense-fallback warning either
+        s = fit_schedule(table, tau=0.9)
+    assert s.budgets == (8, 8, 8, 8)
