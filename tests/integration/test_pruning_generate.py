@@ -103,3 +103,27 @@ def test_head_beats_chance_on_the_demo_models_hidden_states():
         trainer.update(x, y)
     auc = float(binary_auc(trainer.predict(torch.cat(feats[6:])), torch.cat(labels[6:])))
     assert auc > 0.6, auc
+
+
+def test_pruner_sees_the_hidden_states_of_the_detection_window():
+    """decide() receives the last-layer hidden states of generated tokens
+    detect_len - window ... detect_len - 1, as a full forward pass computes them."""
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 128, (4, 5), generator=torch.Generator().manual_seed(3))
+    seen = {}
+
+    class Recorder:
+        detect_len, layer, window = 6, -1, 3
+
+        def decide(self, hidden, *, group_size):
+            seen["hidden"] = hidden.clone()
+            return torch.tensor([True, False, True, False])
+
+    out = generate(model, ids, policy=Dense(), budget=None, max_new_tokens=10, temperature=0,
+                   pruner=Recorder(), group_size=2)
+    with torch.no_grad():
+        full = model(torch.cat([ids, out.tokens[:, :6]], 1), output_hidden_states=True)
+    expected = full.hidden_states[-1][:, 5 + 3:5 + 6]  # generated tokens 3, 4, 5
+    torch.testing.assert_close(seen["hidden"], expected, atol=1e-5, rtol=1e-5)
+    assert out.pruned.tolist() == [False, True, False, True]
+    assert out.lengths.tolist() == [10, 6, 10, 6]

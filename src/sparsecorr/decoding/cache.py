@@ -75,6 +75,8 @@ class SparseKVCache(Cache):
             for i, t in enumerate(lst):
                 if t is not None:
                     lst[i] = t.index_select(0, rows)
+        if self.step_budget is not None:
+            self.step_budget = self.step_budget.index_select(0, rows)
 
     def compress_if_needed(self, budgets: torch.Tensor) -> None:
         """Evict down to ``budgets`` ([B], -1 = dense) where a row exceeds budget + buffer."""

@@ -139,8 +139,6 @@ def _run(model, input_ids, attention_mask, *, policy, budget, max_new_tokens, te
             if top is not None:
                 out_tk[rows, t], out_ti[rows, t] = top.values.cpu(), top.indices.cpu()
             out_budget[rows, t] = cache.step_budget.cpu()
-            if t > 0:
-                out_kept[rows, t - 1] = (cache.attended / n_layers).cpu()
             done = torch.zeros(len(rows), dtype=torch.bool)
             if eos:
                 done |= torch.tensor([int(x) in eos for x in tok.tolist()])
@@ -153,14 +151,6 @@ def _run(model, input_ids, attention_mask, *, policy, budget, max_new_tokens, te
                 bar.update(1)
                 break
             keep = ~done
-            if pruner is not None and t + 1 == pruner.detect_len:
-                decision = pruner.decide(hidden_buf.to(device), group_size=group_size).cpu()
-                cut = keep & ~decision[rows]
-                pruned[rows[cut]] = True
-                pruned_at[rows[cut]] = t + 1
-                for r in rows[cut].tolist():
-                    finish[r] = "pruned"
-                keep &= decision[rows]
             if not bool(keep.any()):
                 bar.update(max_new_tokens - t)
                 break
@@ -173,17 +163,31 @@ def _run(model, input_ids, attention_mask, *, policy, budget, max_new_tokens, te
             cache.new_pos, cache.new_valid = step_pos, torch.ones_like(step_pos, dtype=torch.bool)
             cache.step_budget = _budgets(budget_obj, context).to(device)
             cache.attended = None
-            want_hidden = pruner is not None and pruner.detect_len - pruner.window <= t + 1 < pruner.detect_len + 1
+            # hidden states of generated tokens detect_len - window ... detect_len - 1 (fed here)
+            slot = None if pruner is None else t - (pruner.detect_len - pruner.window)
+            want_hidden = slot is not None and 0 <= slot < pruner.window
             out = model(input_ids=tok[:, None], position_ids=step_pos, past_key_values=cache,
                         use_cache=True, output_hidden_states=want_hidden)
             logits = out.logits[:, -1]
-            if want_hidden and t + 1 <= pruner.detect_len:
-                slot = t + 1 - (pruner.detect_len - pruner.window) - 1
-                if 0 <= slot < pruner.window:
-                    hidden_buf[active, slot] = out.hidden_states[pruner.layer][:, -1].float().cpu()
-            out_kept[active, t] = 0.0  # filled at the next step from this step's attention
+            if want_hidden:
+                hidden_buf[active, slot] = out.hidden_states[pruner.layer][:, -1].float().cpu()
             if cache.attended is not None:
                 out_kept[active, t] = (cache.attended / n_layers).cpu()
+            if pruner is not None and t + 1 == pruner.detect_len:
+                # every row has generated detect_len tokens and its window of hidden states
+                decision = pruner.decide(hidden_buf.to(device), group_size=group_size).cpu()
+                cut = ~decision[active]
+                pruned[active[cut]] = True
+                pruned_at[active[cut]] = t + 1
+                for r in active[cut].tolist():
+                    finish[r] = "pruned"
+                if bool(cut.all()):
+                    bar.update(max_new_tokens - t)
+                    break
+                if bool(cut.any()):
+                    sel = (~cut).nonzero().squeeze(1).to(device)
+                    cache.select_rows(sel)
+                    active, logits = active[~cut], logits[sel]
             cache.compress_if_needed(cache.step_budget)
             cache.peak_bytes = max(cache.peak_bytes, cache.kv_bytes())
             bar.update(1)
@@ -236,6 +240,9 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
     """
     if pruner is not None and (group_size is None or input_ids.shape[0] % group_size):
         raise ValueError(f"group_size: expected an int dividing B={input_ids.shape[0]} with a pruner, got {group_size!r}")
+    if pruner is not None and not 1 <= pruner.window <= pruner.detect_len:
+        raise ValueError(f"pruner.window: expected 1 <= window <= detect_len ({pruner.detect_len}), "
+                         f"got {pruner.window!r}")
     return _run(model, input_ids, attention_mask, policy=policy, budget=budget,
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                 logprobs_topk=logprobs_topk, eos_token_id=eos_token_id, backend=backend,
