@@ -20,7 +20,6 @@ __all__ = [
     "check_same_shape",
     "count",
     "finite",
-    "finite_and_mask",
 ]
 
 
@@ -94,20 +93,6 @@ def check_probability(name: str, value: float, *, open_low: bool = False) -> Non
 def as_float32(x: torch.Tensor) -> torch.Tensor:
     """``x`` as float32 (no copy when it already is)."""
     return x if x.dtype == torch.float32 else x.float()
-
-
-def finite_and_mask(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop non-finite entries from ``mask``.
-
-    Returns ``(clean_mask, n_nonfinite)`` where ``clean_mask = mask & all(isfinite(t))`` and
-    ``n_nonfinite`` is a 0-d int64 tensor counting the masked-in entries that were removed
-    (no host sync).
-    """
-    finite = torch.ones_like(mask)
-    for t in tensors:
-        finite = finite & torch.isfinite(t)
-    clean = mask & finite
-    return clean, (mask & ~finite).sum()
 
 
 def count(mask: torch.Tensor, dim: int | None = None, *, keepdim: bool = False) -> torch.Tensor:

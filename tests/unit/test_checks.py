@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sparsecorr._checks import check_mask, check_same_shape, finite_and_mask
+from sparsecorr._checks import check_mask, check_same_shape, count, finite
 
 
 def test_check_same_shape_names_both():
@@ -14,9 +14,10 @@ def test_check_mask_rejects_float():
         check_mask(torch.ones(2, 3), torch.zeros(2, 3))
 
 
-def test_finite_and_mask_counts():
+def test_count_and_finite():
     x = torch.tensor([[0.0, float("nan"), float("inf")], [1.0, 2.0, -float("inf")]])
     m = torch.tensor([[True, True, False], [True, True, True]])
-    clean, n = finite_and_mask(m, x)
-    assert clean.tolist() == [[True, False, False], [True, True, False]]
-    assert int(n) == 2
+    assert finite(x).tolist() == [[True, False, False], [True, True, False]]
+    assert float(count(m & ~finite(x))) == 2.0
+    assert count(m, dim=1).tolist() == [2.0, 3.0]
+    assert count(m, dim=1, keepdim=True).shape == (2, 1)
