@@ -88,7 +88,7 @@ def _sample(logits, *, temperature, top_k, top_p, k, generator, forced):
 
 def _run(model, input_ids, attention_mask, *, policy, budget, max_new_tokens, temperature, top_k,
          top_p, logprobs_topk, eos_token_id, backend, generator, progress, forced, forced_mask,
-         pruner, group_size) -> RolloutBatch:
+         pruner, group_size, grad=False) -> RolloutBatch:
     if not isinstance(policy, KVPolicy):
         raise ValueError(f"policy: expected a KVPolicy (Dense(), RKV(), ...), got {type(policy).__name__}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -118,7 +118,7 @@ def _run(model, input_ids, attention_mask, *, policy, budget, max_new_tokens, te
     if pruner is not None:
         hidden_buf = torch.zeros(b_total, pruner.window, model.config.hidden_size)
     budget_obj = None if isinstance(policy, Dense) else budget
-    with _sparse_attention(model), active_cache(cache), torch.no_grad():
+    with _sparse_attention(model), active_cache(cache), torch.set_grad_enabled(grad):
         # prefill: positions count real tokens only (left padding has no position)
         pos = (pmask.long().cumsum(1) - 1).clamp(min=0)
         cache.new_pos, cache.new_valid = pos, pmask
@@ -256,10 +256,16 @@ def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, res
                             response_mask: torch.Tensor | None = None, temperature: float = 1.0,
                             top_k: int | None = None, top_p: float | None = None,
                             logprobs_topk: int = 20, backend: str = "auto",
-                            progress: bool = False) -> RolloutBatch:
+                            progress: bool = False, grad: bool = False) -> RolloutBatch:
     """The sparse policy's log-probs (and top-k) of given response tokens, by the same decode
     path with the tokens forced: for the tokens ``generate`` sampled, it reproduces its
     ``rollout_logp``.
+
+    With ``grad=True`` the decode loop runs with autograd on, so ``rollout_logp`` carries the
+    gradient of the sparse forward pass (eviction is a gather of the kept K/V, differentiable in
+    the kept entries; the kept *set* is not). DistillSparse uses it to train the sparse
+    sampler's LoRA adapter on the log-probs of the sparse path itself. Memory grows with the
+    response length (the graph of every step is kept).
 
     Shapes:
         input_ids, attention_mask: ``[B, P]``; response_ids, response_mask: ``[B, T]``.
@@ -272,4 +278,4 @@ def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, res
                 max_new_tokens=response_ids.shape[1], temperature=temperature, top_k=top_k,
                 top_p=top_p, logprobs_topk=logprobs_topk, eos_token_id=None, backend=backend,
                 generator=None, progress=progress, forced=response_ids.cpu(),
-                forced_mask=response_mask.bool().cpu(), pruner=None, group_size=None)
+                forced_mask=response_mask.bool().cpu(), pruner=None, group_size=None, grad=grad)

@@ -1,0 +1,88 @@
+r"""Sparse rollouts for ``SparseGRPOTrainer``: TRL's prompt token ids -> ``sparsecorr.decoding``.
+
+TRL hands ``_generate_single_turn`` one list of prompt token ids per rollout (prompts already
+repeated ``num_generations`` times). :func:`sparse_rollouts` left-pads them, samples with
+``sparsecorr.decoding.generate`` under the configured KV policy and budget (an int or a
+context-length schedule), and returns what TRL's vLLM path returns: the completion ids (up to
+and including EOS, as TRL's own generate path cuts them) and the sampler's log-prob of every
+completion token, which TRL turns into ``sampling_per_token_logps`` and the loss corrects.
+
+The sampler uses TRL's temperature, ``top_k`` and ``top_p``; its log-probs are those of the
+tempered, truncated distribution it sampled from (TRL's dense ``old_logp`` is tempered, not
+truncated: truncation is part of the mismatch the correction sees, as with vLLM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparsecorr.decoding import generate
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    """Per-call statistics logged under ``sparsecorr/rollout/*``."""
+
+    tokens: int
+    tokens_per_s: float
+    peak_kv_bytes: int
+    mean_budget: float
+    mean_kv_kept: float
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"sparsecorr/rollout/{k}": float(v) for k, v in self.__dict__.items()}
+
+
+def _left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompt_ids), width, dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        if p:
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def sampling_kwargs(args) -> dict:
+    """TRL's sampling settings as ``generate`` keywords (``top_k`` 0/None and ``top_p`` 1 = off)."""
+    top_k = getattr(args, "top_k", None)
+    top_p = getattr(args, "top_p", 1.0)
+    return {"temperature": float(args.temperature),
+            "top_k": int(top_k) if top_k else None,
+            "top_p": None if top_p is None or top_p >= 1.0 else float(top_p)}
+
+
+def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_new_tokens: int,
+                    eos_token_id, pad_token_id: int, generator: torch.Generator,
+                    sampling: dict) -> tuple[list[list[int]], list[list[float]], RolloutStats]:
+    """Sample one completion per prompt with the sparse sampler.
+
+    Returns:
+        completion ids per rollout, the sampler's log-prob per completion token, statistics.
+    """
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("prompt_ids: expected non-empty token id lists, got an empty prompt")
+    ids, mask = _left_pad(prompt_ids, pad_token_id)
+    was_training = model.training
+    model.eval()
+    try:
+        batch = generate(model, ids, mask, policy=policy, budget=budget,
+                         max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                         generator=generator, logprobs_topk=0, **sampling)
+    finally:
+        model.train(was_training)
+    lengths = batch.lengths.tolist()
+    completions = [batch.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
+    logprobs = [batch.rollout_logp[i, :n].tolist() for i, n in enumerate(lengths)]
+    gen = batch.mask
+    seconds = batch.meta["prefill_s"] + batch.meta["decode_s"]
+    budget_t = batch.budget[gen].float()
+    stats = RolloutStats(
+        tokens=int(gen.sum()), tokens_per_s=float(gen.sum()) / max(seconds, 1e-9),
+        peak_kv_bytes=int(batch.peak_kv_bytes),
+        mean_budget=float(budget_t[budget_t >= 0].mean()) if bool((budget_t >= 0).any()) else -1.0,
+        mean_kv_kept=float(batch.kv_kept[gen].mean()) if bool(gen.any()) else 0.0)
+    return completions, logprobs, stats
