@@ -1,10 +1,14 @@
 """Build the shipped demo model: a tiny Qwen3 pre-trained (seeded, CPU, ~1-2 min) on the recall task.
 
-Sequences are ``[BOS, key, filler..., key, key, ...]``; the loss is on the response part only,
-so the model learns to recall the token at position 1 from anywhere in a long context, which a
-KV budget that evicts it (StreamingLLM with one sink token) cannot do.
+Sequences are a prompt ``[BOS, key, filler...]`` followed by the prompt after BOS recited over
+and over (``sparsecorr.demo.task.copy_targets``); the loss is on the response part only, so
+the model learns to fetch the token one period back at every step, which a KV budget with a
+recent window shorter than the period (StreamingLLM at budget 8, period 15) cannot do.
 
-Usage: ``python scripts/make_demo_model.py [--steps 300] [--out src/sparsecorr/assets/demo_model]``
+Also writes the word-level tokenizer (``tokenizer.json``) next to the weights.
+
+Usage: ``python scripts/make_demo_model.py [--steps 400] [--out src/sparsecorr/assets/demo_model]
+[--tokenizer-only]``
 """
 
 from __future__ import annotations
@@ -13,20 +17,26 @@ import argparse
 
 import torch
 
-from sparsecorr.demo.task import demo_model, make_prompts
+from sparsecorr.demo.task import build_tokenizer, copy_targets, demo_model, make_prompts
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--out", default="src/sparsecorr/assets/demo_model")
+    ap.add_argument("--tokenizer-only", action="store_true",
+                    help="write only the tokenizer files (the weights are left as they are)")
     args = ap.parse_args()
+    build_tokenizer().save_pretrained(args.out)
+    if args.tokenizer_only:
+        print(f"tokenizer saved to {args.out}")
+        return
     torch.set_num_threads(2)
     model = demo_model(seed=0, pretrained=False).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(args.steps):
         prompts = make_prompts(32, 16, seed=10_000 + step)
-        resp = prompts[:, 1:2].expand(-1, 48)
+        resp = copy_targets(prompts, 48)
         ids = torch.cat([prompts, resp], 1)
         logits = model(input_ids=ids).logits[:, 15:-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),

@@ -21,7 +21,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig.quick() if args.quick else DemoConfig()
     rows = run_demo(cfg, args.out)
     for s in summarize(rows):
-        print(f"{s['arm']:>28}  reward {s['reward_first']:.3f} -> {s['reward_last_half']:.3f}  "
-              f"{s['tokens_per_s']:.0f} tok/s  peak KV {s['peak_kv_bytes']} B")
+        print(f"{s['arm']:>26}  sampled reward {s['reward_first']:.3f} -> "
+              f"{s['reward_last_half']:.3f}  dense greedy reward {s['dense_before']:.3f} -> "
+              f"{s['dense_after']:.3f}  {s['tokens_per_s']:.0f} tok/s  "
+              f"peak KV {s['peak_kv_bytes']} B")
     print(f"report: {Path(args.out) / 'report.md'}")
     return 0

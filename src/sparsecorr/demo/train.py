@@ -1,70 +1,124 @@
-r"""One GRPO arm: sparse (or dense) rollouts -> dense old log-probs -> ``sparse_grpo`` step.
+r"""One demo arm: ``SparseGRPOTrainer`` (TRL 1.16) on the shipped model and the recall task.
 
-Per step: sample ``G`` responses per prompt with the arm's KV policy/budget (``rollout_logp``),
-teacher-force the dense model for ``old_logp``, compute \(\log\pi_\theta\) by a full forward,
-group-normalise rewards and minimise ``sparse_grpo`` with the arm's correction.
+Each arm is a ``SparseCorrConfig``: the KV policy and budget or schedule the trainer samples
+with (``sparsecorr.decoding``), and the correction its ``sparse_grpo`` loss applies. The trainer
+logs one row per optimizer step (TRL's ``log_history`` with ``logging_steps=1``); a callback adds
+the *dense* model's greedy reward on held-out prompts, which is what a sparse-rollout run must
+not damage.
 
 Shapes:
-    prompts ``[B, P]``; all per-token tensors ``[B*G, T]``.
+    prompts ``[N, P]`` token ids (the dataset holds their text); rewards per completion.
 """
 
 from __future__ import annotations
 
-import time
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..decoding import Dense, generate, teacher_forced_logprobs
-from ..losses import group_advantages, sparse_grpo
-from .task import make_prompts, recall_reward
+from ..decoding import Dense, generate
+from .task import (
+    demo_model,
+    demo_tokenizer,
+    make_prompts,
+    prompt_text,
+    recall_reward,
+    recall_reward_text,
+)
 
 
 @dataclass(frozen=True)
 class Arm:
-    """A training arm: name, KV policy, budget (int, schedule or None) and correction."""
+    """A training arm: a name and the ``SparseCorrConfig`` keywords it trains with."""
 
     name: str
-    policy: Any
-    budget: Any
-    correction: Any
+    config: dict[str, Any]
 
 
-def _learner_logp(model, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    ids = torch.cat([prompts, tokens], 1)
-    logits = model(input_ids=ids).logits[:, prompts.shape[1] - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def _trl():
+    try:
+        from sparsecorr_trl import SparseCorrConfig, SparseGRPOTrainer
+        from transformers import TrainerCallback
+        from transformers.trainer_callback import ProgressCallback
+        from trl import GRPOConfig
+    except ImportError as err:  # pragma: no cover - the Makefile installs both
+        raise ImportError("sparsecorr demo trains with TRL: install sparsecorr-trl "
+                          "(pip install -e 'integrations/trl[trl]', done by `make demo`)") from err
+    return SparseCorrConfig, SparseGRPOTrainer, GRPOConfig, TrainerCallback, ProgressCallback
 
 
-def train_arm(model, arm: Arm, *, steps: int, prompts_per_step: int, group: int,
-              prompt_len: int, max_new_tokens: int, lr: float, seed: int, log) -> None:
-    """Run ``steps`` GRPO updates on ``model`` in place, calling ``log(row)`` per step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        prompts = make_prompts(prompts_per_step, prompt_len, seed=seed * 1000 + step)
-        prompts = prompts.repeat_interleave(group, 0)
-        t0 = time.perf_counter()
-        model.eval()
-        with torch.no_grad():
-            batch = generate(model, prompts, policy=arm.policy, budget=arm.budget,
-                             max_new_tokens=max_new_tokens, generator=g)
-            gen_s = time.perf_counter() - t0
-            dense = teacher_forced_logprobs(model, prompts, batch.tokens, policy=Dense(),
-                                            budget=None, response_mask=batch.mask)
-        mask = batch.mask.bool()
-        reward = recall_reward(prompts, batch.tokens, mask)
-        adv = group_advantages(reward, group_size=group)
-        model.train()
-        logp = _learner_logp(model, prompts, batch.tokens)
-        out = sparse_grpo(logp, dense.rollout_logp, adv, mask, rollout_logp=batch.rollout_logp,
-                          correction=arm.correction, aggregation="seq-mean-token-mean")
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-        row = {"arm": arm.name, "step": step, "reward": float(reward.mean()),
-               "loss": float(out.loss.detach()), "tokens_per_s": float(mask.sum()) / max(gen_s, 1e-9),
-               "peak_kv_bytes": int(batch.peak_kv_bytes)}
-        row.update({k: float(v) for k, v in out.metrics.items()})
-        log(row)
+def dense_eval_reward(model, prompts: torch.Tensor, *, max_new_tokens: int) -> float:
+    """Mean recall reward of the dense model's greedy responses to ``prompts``."""
+    was_training = model.training
+    model.eval()
+    try:
+        batch = generate(model, prompts, policy=Dense(), budget=None, temperature=0.0,
+                         max_new_tokens=max_new_tokens, logprobs_topk=0)
+    finally:
+        model.train(was_training)
+    return float(recall_reward(prompts, batch.tokens, batch.mask).mean())
+
+
+def _row(arm: str, log: dict[str, float], evals: dict[int, float]) -> dict[str, Any]:
+    step = int(log["step"]) - 1
+    row = {"arm": arm, "step": step, "reward": float(log["reward"]),
+           "loss": float(log.get("loss", float("nan"))),
+           "tokens_per_s": float(log.get("sparsecorr/rollout/tokens_per_s", float("nan"))),
+           "peak_kv_bytes": int(log.get("sparsecorr/rollout/peak_kv_bytes", 0)),
+           "mean_budget": float(log.get("sparsecorr/rollout/mean_budget", -1.0)),
+           "kl_k3": float(log.get("sparsecorr/mismatch/kl_k3_mean", float("nan"))),
+           "dense_eval_reward": evals.get(step + 1, float("nan"))}
+    row.update({k: float(v) for k, v in log.items() if k.startswith("sparsecorr/")})
+    return row
+
+
+def train_arm(arm: Arm, *, steps: int, prompts_per_step: int, group: int, prompt_len: int,
+              max_new_tokens: int, lr: float, seed: int, eval_prompts: int = 16,
+              progress: bool = True) -> list[dict[str, Any]]:
+    """Train a fresh copy of the demo model for ``steps`` GRPO steps; one row per step.
+
+    Row 0's ``dense_eval_reward`` is measured before training; row ``i`` after step ``i``.
+    """
+    SparseCorrConfig, SparseGRPOTrainer, GRPOConfig, TrainerCallback, ProgressCallback = _trl()
+    from datasets import Dataset
+
+    torch.manual_seed(seed)
+    model = demo_model(seed).train()
+    held_out = make_prompts(eval_prompts, prompt_len, seed=seed + 99_991)
+    texts = prompt_text(make_prompts(steps * prompts_per_step, prompt_len, seed=seed + 1))
+    data = Dataset.from_dict({"prompt": texts})
+    evals = {0: dense_eval_reward(model, held_out, max_new_tokens=max_new_tokens)}
+
+    class StepBar(ProgressCallback):
+        """TRL's progress bar over the training steps, without printing every log dict."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            return control
+
+    class DenseEval(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            evals[state.global_step] = dense_eval_reward(model, held_out,
+                                                         max_new_tokens=max_new_tokens)
+            return control
+
+    with tempfile.TemporaryDirectory(prefix="sparsecorr-demo-") as tmp:
+        args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=prompts_per_step * group,
+                          num_generations=group, max_completion_length=max_new_tokens,
+                          max_steps=steps, learning_rate=lr, loss_type="grpo", beta=0.0,
+                          logging_steps=1, report_to=[], use_cpu=True, bf16=False, seed=seed,
+                          save_strategy="no", gradient_checkpointing=False, temperature=1.0,
+                          disable_tqdm=not progress, shuffle_dataset=False)
+        trainer = SparseGRPOTrainer(model=model, reward_funcs=recall_reward_text, args=args,
+                                    train_dataset=data, processing_class=demo_tokenizer(),
+                                    callbacks=[DenseEval()],
+                                    sparsecorr_config=SparseCorrConfig(**arm.config))
+        trainer.remove_callback(ProgressCallback)
+        if progress:
+            trainer.add_callback(StepBar())
+        trainer.train()
+    rows = [_row(arm.name, log, evals) for log in trainer.state.log_history if "reward" in log]
+    if rows:
+        rows[0]["dense_eval_reward_before"] = evals[0]
+    return rows
