@@ -53,6 +53,7 @@ class TailController:
                                             n_buckets=512)
         self._comfort = [0] * n
         self.steps = 0
+        self.last_tails: list[float] = [float("nan")] * n
 
     def observe(self, acceptance: torch.Tensor, mask: torch.Tensor,
                 offset: torch.Tensor | None = None) -> None:
@@ -72,6 +73,9 @@ class TailController:
         """Update the schedule from the statistics gathered since the last step."""
         tails = self._sketch.quantile(self.q)
         counts = self._sketch.bin_counts
+        #: the tail per bin seen by this step (NaN where fewer than ``min_tokens`` tokens)
+        self.last_tails = [t if n >= self.min_tokens else float("nan")
+                           for t, n in zip(tails.tolist(), counts.tolist())]
         budgets = list(self.schedule.budgets)
         for i, (tail, n) in enumerate(zip(tails.tolist(), counts.tolist())):
             if n < self.min_tokens:

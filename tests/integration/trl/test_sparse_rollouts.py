@@ -100,6 +100,9 @@ def test_schedule_controller_is_added_and_fed(tmp_path):
     assert trainer.sparsecorr_live_budget is cb.schedule
     logged = {k for row in trainer.state.log_history for k in row}
     assert "sparsecorr/schedule/bin_0" in logged
+    tails = {k: v for row in trainer.state.log_history for k, v in row.items()
+             if k.startswith("sparsecorr/tail/bin_")}
+    assert tails and all(0.0 <= v <= 1.0 for v in tails.values())
 
 
 def test_live_schedule_reaches_the_sampler(tmp_path):

@@ -3,7 +3,8 @@ r"""``SparseCorrCallback``: drives a ``TailController`` and keeps its schedule w
 The trainer feeds it the per-token acceptance \(a_t = \min(1, \pi_\text{old}/\pi_\text{rollout})\)
 of each batch that carries sampler log-probs (``observe``); at every optimizer step the
 controller updates the budget schedule (Sparrow's tail rule, Dong et al. 2026), the per-bin
-budgets are logged as ``sparsecorr/schedule/bin_<i>`` and the controller state is written to
+budgets are logged as ``sparsecorr/schedule/bin_<i>``, the per-bin tail profile as
+``sparsecorr/tail/bin_<i>``, and the controller state is written to
 ``<checkpoint>/sparsecorr_controller.json`` on save and restored on resume.
 
 Shapes:
@@ -51,9 +52,14 @@ class SparseCorrCallback(TrainerCallback):
         return control
 
     def schedule_metrics(self) -> dict[str, float]:
-        """Per-bin budgets of the live schedule (-1 = dense), for the trainer's logs."""
-        return {f"sparsecorr/schedule/bin_{i}": -1.0 if b is None else float(b)
-                for i, b in enumerate(self.controller.schedule.budgets)}
+        """Per-bin budgets of the live schedule (-1 = dense) and the tail profile the last
+        controller step saw (``q``-quantile of the acceptance per context bin; bins with too
+        few tokens are left out), for the trainer's logs."""
+        out = {f"sparsecorr/schedule/bin_{i}": -1.0 if b is None else float(b)
+               for i, b in enumerate(self.controller.schedule.budgets)}
+        out.update({f"sparsecorr/tail/bin_{i}": float(t)
+                    for i, t in enumerate(self.controller.last_tails) if t == t})
+        return out
 
     def on_save(self, args, state, control, **kwargs):
         ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
