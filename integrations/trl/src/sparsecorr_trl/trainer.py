@@ -138,7 +138,7 @@ class SparseGRPOTrainer(_trainer_base()):
         completions, logprobs, stats = sparse_rollouts(
             model, prompt_ids, policy=self.sparsecorr_policy, budget=self.sparsecorr_live_budget,
             max_new_tokens=self.max_completion_length, eos_token_id=list(self.eos_token_ids),
-            pad_token_id=self._tokenizer.pad_token_id, generator=self._sparsecorr_generator,
+            pad_token_id=self._tokenizer.pad_token_id or 0, generator=self._sparsecorr_generator,
             sampling=sampling_kwargs(self.args))
         if self.sparsecorr_config.log_metrics:
             for name, value in stats.as_metrics().items():
