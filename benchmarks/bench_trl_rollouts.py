@@ -58,7 +58,7 @@ def main() -> None:
                 trainer.model.eval()
                 with torch.no_grad():
                     sec = median_time(
-                        lambda t=trainer: t._generate_single_turn(prompts, None, {}, batch),
+                        lambda t=trainer, p=prompts, b=batch: t._generate_single_turn(p, None, {}, b),
                         repeat=5)
             base = sec if base is None else base
             rows.append([f"B={batch} T={new}", name, f"{sec * 1e3:.1f}", f"{sec / base:.2f}x",

@@ -182,3 +182,33 @@ def test_distill_rejects_a_reference_model_setting(tmp_path):
     cfg = SparseCorrConfig(policy="streaming_llm", budget=4, distill=True)
     with pytest.raises(ValueError, match="beta"):
         _trainer(tmp_path, cfg, beta=0.1)
+
+
+def test_adapter_step_lowers_the_sparse_dense_k3_on_a_batch():
+    """With zero advantages the adapter loss is lambda * k3: repeated steps on one batch must
+    bring the sparse sampler (StreamingLLM, budget 4) + adapter closer to the dense model."""
+    from sparsecorr_trl.distill import AdapterStep
+
+    from sparsecorr.decoding import Dense, generate
+    from sparsecorr.losses import sparse_adapter
+
+    torch.manual_seed(0)
+    model = sparse_adapter(tiny_model("qwen3", vocab_size=64), r=4)
+    prompts = torch.randint(4, 60, (4, 6), generator=torch.Generator().manual_seed(1))
+    policy = StreamingLLM(sink=1)
+    with torch.no_grad():
+        batch = generate(model, prompts, policy=policy, budget=4, max_new_tokens=12,
+                         generator=torch.Generator().manual_seed(2))
+        with dense_mode(model):
+            dense = teacher_forced_logprobs(model, prompts, batch.tokens, policy=Dense(),
+                                            budget=None, response_mask=batch.mask)
+    step = AdapterStep(model, lr=5e-3, kl_weight=1.0)
+    kw = dict(prompt_ids=prompts, prompt_mask=torch.ones_like(prompts),
+              completion_ids=batch.tokens, completion_mask=batch.mask.long(),
+              rollout_logp=batch.rollout_logp, dense_logp=dense.rollout_logp,
+              advantages=torch.zeros(4), policy=policy, budget=4, sampling={},
+              clip_low=0.2, clip_high=0.2, aggregation="token-mean")
+    k3 = [step(model, **kw)["distill/kl_k3_mean"] for _ in range(30)]
+    assert k3[0] > 0 and k3[-1] < 0.5 * k3[0], k3
+    base = [p for n, p in model.named_parameters() if "lora_" not in n]
+    assert all(p.grad is None for p in base)
