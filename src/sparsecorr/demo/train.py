@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._modes import eval_mode
 from ..decoding import Dense, generate
 from .task import (
     demo_model,
@@ -51,13 +52,9 @@ def _trl():
 
 def dense_eval_reward(model, prompts: torch.Tensor, *, max_new_tokens: int) -> float:
     """Mean recall reward of the dense model's greedy responses to ``prompts``."""
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         batch = generate(model, prompts, policy=Dense(), budget=None, temperature=0.0,
                          max_new_tokens=max_new_tokens, logprobs_topk=0)
-    finally:
-        model.train(was_training)
     return float(recall_reward(prompts, batch.tokens, batch.mask).mean())
 
 

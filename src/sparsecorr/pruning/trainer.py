@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_positive, check_probability
+from .._modes import eval_mode
 from .head import QualityHead
 
 __all__ = ["QualityHeadTrainer", "binary_auc", "fit_temperature"]
@@ -142,11 +143,8 @@ class QualityHeadTrainer:
     @torch.no_grad()
     def predict(self, hidden: torch.Tensor) -> torch.Tensor:
         """Calibrated P(correct) ``[B]`` for hidden states ``[B, W, H]`` or ``[B, H]``."""
-        was_training = self.head.training
-        self.head.eval()
-        p = torch.sigmoid(self.head(hidden) / self.temperature)
-        self.head.train(was_training)
-        return p
+        with eval_mode(self.head):
+            return torch.sigmoid(self.head(hidden) / self.temperature)
 
     def update(self, hidden: torch.Tensor, rewards: torch.Tensor) -> dict[str, torch.Tensor]:
         """One online update from detection-point hidden states and final rewards.

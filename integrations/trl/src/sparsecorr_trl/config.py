@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparsecorr._checks import check_positive
 from sparsecorr.correction import get_preset
 from sparsecorr.decoding import get_policy
 from sparsecorr.schedules import BudgetSchedule
@@ -102,9 +103,8 @@ class SparseCorrConfig:
         for name in ("distill_rank", "distill_alpha"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
-        for name in ("distill_lr", "distill_kl_weight"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)!r}")
+        check_positive("distill_lr", self.distill_lr, allow_zero=True)
+        check_positive("distill_kl_weight", self.distill_kl_weight, allow_zero=True)
 
     def build(self):
         """The correction object (``None`` for ``"none"``); raises ValueError on a bad name."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsecorr._modes import eval_mode
 from sparsecorr.decoding import teacher_forced_logprobs
 from sparsecorr.losses import adapter_parameters, distill_sparse_loss
 
@@ -44,15 +45,12 @@ class AdapterStep:
                  clip_low: float, clip_high: float, aggregation: str) -> dict[str, float]:
         """One AdamW step on the adapter; returns its ``distill/*`` metrics."""
         mask = completion_mask.bool()
-        was_training = model.training
-        model.eval()  # no gradient checkpointing: its recompute would replay a mutated KV cache
-        try:
+        # eval: no gradient checkpointing, whose recompute would replay a mutated KV cache
+        with eval_mode(model):
             sparse = teacher_forced_logprobs(
                 model, prompt_ids, completion_ids, policy=policy, budget=budget,
                 attention_mask=prompt_mask, response_mask=mask, logprobs_topk=0, grad=True,
                 **sampling)
-        finally:
-            model.train(was_training)
         sparse_logp = sparse.rollout_logp.to(dense_logp.device)
         out = distill_sparse_loss(sparse_logp, rollout_logp, dense_logp.detach(), advantages,
                                   mask, kl_weight=self.kl_weight, clip_low=clip_low,

@@ -1,7 +1,7 @@
 r"""Sparse rollouts for ``SparseGRPOTrainer``: TRL's prompt token ids -> ``sparsecorr.decoding``.
 
 TRL hands ``_generate_single_turn`` one list of prompt token ids per rollout (prompts already
-repeated ``num_generations`` times). :func:`sparse_rollouts` left-pads them, samples with
+repeated ``num_generations`` times). :func:`sparse_rollouts` pads them, samples with
 ``sparsecorr.decoding.generate`` under the configured KV policy and budget (an int or a
 context-length schedule), and returns what TRL's vLLM path returns: the completion ids (up to
 and including EOS, as TRL's own generate path cuts them) and the sampler's log-prob of every
@@ -17,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
+from sparsecorr._modes import eval_mode
 from sparsecorr.decoding import generate
 
 
@@ -35,14 +37,11 @@ class RolloutStats:
         return {f"sparsecorr/rollout/{k}": float(v) for k, v in self.__dict__.items()}
 
 
-def _left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompt_ids), width, dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        if p:
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+def _pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask (``generate`` accepts either padding side)."""
+    rows = [torch.tensor(p, dtype=torch.long) for p in prompt_ids]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_value=0)
     return ids, mask
 
 
@@ -65,15 +64,11 @@ def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_n
     """
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("prompt_ids: expected non-empty token id lists, got an empty prompt")
-    ids, mask = _left_pad(prompt_ids, pad_token_id)
-    was_training = model.training
-    model.eval()
-    try:
+    ids, mask = _pad(prompt_ids, pad_token_id)
+    with eval_mode(model):
         batch = generate(model, ids, mask, policy=policy, budget=budget,
                          max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                          generator=generator, logprobs_topk=0, **sampling)
-    finally:
-        model.train(was_training)
     lengths = batch.lengths.tolist()
     completions = [batch.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
     logprobs = [batch.rollout_logp[i, :n].tolist() for i, n in enumerate(lengths)]

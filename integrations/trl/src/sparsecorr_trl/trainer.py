@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
+from sparsecorr._checks import finite
 from sparsecorr.losses import dense_mode, sparse_adapter, sparse_grpo
+from sparsecorr.mismatch import log_ratio
 from sparsecorr_trl.config import SparseCorrConfig, validate_grpo_args
 from sparsecorr_trl.rollout import sampling_kwargs, sparse_rollouts
 
@@ -226,9 +228,8 @@ class SparseGRPOTrainer(_trainer_base()):
 
     def _observe_acceptance(self, old_logp, rollout_logp, mask, prompt_lengths) -> None:
         """Feed min(1, pi_old / pi_rollout) per token to the controller, binned by context length."""
-        lr = (old_logp.detach().float() - rollout_logp.float()).clamp(-20.0, 20.0)
-        acceptance = torch.exp(lr.clamp(max=0.0))
-        ok = mask & (rollout_logp.abs() < float("inf"))
+        ok = mask & finite(old_logp) & finite(rollout_logp)
+        acceptance = torch.exp(log_ratio(old_logp.detach(), rollout_logp, ok).clamp(max=0.0))
         for cb in self._callbacks():
             cb.observe(acceptance, ok, prompt_lengths.long())
 
