@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from ..mismatch.logprobs import _truncate
+from ..mismatch import truncate_logits
 from .backends import get_backend
 from .cache import ATTN_NAME, SparseKVCache, active_cache
 from .policies import Dense, KVPolicy
@@ -74,7 +74,7 @@ def _sample(logits, *, temperature, top_k, top_p, k, generator, forced):
     """Next token, its log-prob and the top-k, all from the processed distribution."""
     z = logits.float()
     if temperature > 0:
-        z = _truncate(z / temperature, top_k, top_p)
+        z = truncate_logits(z / temperature, top_k, top_p)
     logp_all = torch.log_softmax(z, dim=-1)
     if forced is not None:
         tok = forced

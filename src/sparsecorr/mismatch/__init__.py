@@ -11,6 +11,7 @@ from .logprobs import (
     token_logprobs,
     token_logprobs_and_entropy,
     topk_logprobs,
+    truncate_logits,
     truncated_token_logprobs,
 )
 from .metrics import (
@@ -47,5 +48,6 @@ __all__ = [
     "token_logprobs",
     "token_logprobs_and_entropy",
     "topk_logprobs",
+    "truncate_logits",
     "truncated_token_logprobs",
 ]

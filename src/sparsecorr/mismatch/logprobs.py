@@ -26,6 +26,7 @@ __all__ = [
     "token_logprobs",
     "token_logprobs_and_entropy",
     "topk_logprobs",
+    "truncate_logits",
     "truncated_token_logprobs",
 ]
 
@@ -161,8 +162,14 @@ def topk_logprobs(
     return vals.reshape(*logits.shape[:-1], k), idx.reshape(*logits.shape[:-1], k)
 
 
-def _truncate(z: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """Set logits outside the top-k / top-p support to -inf (HF / vLLM order: k then p)."""
+def truncate_logits(z: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Set logits outside the top-k / top-p support to -inf (HF / vLLM order: k then p).
+
+    ``z`` is already divided by the temperature. The most likely token is always kept.
+
+    Shapes:
+        z: ``[N, V]`` -> ``[N, V]`` (same dtype).
+    """
     if top_k is not None and top_k < z.shape[-1]:
         kth = z.topk(top_k, dim=-1).values[:, -1:]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -208,6 +215,6 @@ def truncated_token_logprobs(
     tok = tokens.reshape(-1, 1).long()
     out = torch.empty(logits2d.shape[0], dtype=torch.float32, device=logits.device)
     for sl in _chunks(logits2d.shape[0], chunk_size or default_chunk_rows(logits2d, copies=6)):
-        z = _truncate(logits2d[sl].float() / temperature, top_k, top_p)
+        z = truncate_logits(logits2d[sl].float() / temperature, top_k, top_p)
         out[sl] = z.gather(1, tok[sl]).squeeze(1) - torch.logsumexp(z, dim=-1)
     return out.reshape(tokens.shape)
