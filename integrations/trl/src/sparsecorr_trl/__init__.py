@@ -1,8 +1,10 @@
 """TRL ``GRPOTrainer`` integration for sparsecorr (``pip install sparsecorr-trl[trl]``)."""
 
 from sparsecorr_trl.callback import SparseCorrCallback
-from sparsecorr_trl.config import AGGREGATION_BY_LOSS_TYPE, SparseCorrConfig, validate_grpo_args
-from sparsecorr_trl.trainer import SparseGRPOTrainer, check_trl_version
+from sparsecorr_trl.config import SparseCorrConfig
+from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE
+from sparsecorr_trl.options import check_trl_version, validate_grpo_args
+from sparsecorr_trl.trainer import SparseGRPOTrainer
 
 __all__ = [
     "AGGREGATION_BY_LOSS_TYPE",

@@ -1,23 +1,16 @@
-"""``SparseCorrConfig`` and the init-time checks that keep the correction on every loss path."""
+"""``SparseCorrConfig``: what ``SparseGRPOTrainer`` samples with, corrects and logs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sparsecorr._checks import check_positive
-from sparsecorr.correction import get_preset
+from sparsecorr.correction import Correction, get_preset
 from sparsecorr.decoding import get_policy
 from sparsecorr.schedules import BudgetSchedule
-
-#: TRL ``loss_type`` -> sparsecorr aggregation (see ``sparsecorr.losses.aggregation``).
-AGGREGATION_BY_LOSS_TYPE = {
-    "grpo": "seq-mean-token-mean",
-    "bnpo": "token-mean",
-    "dapo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-}
 
 
 @dataclass(frozen=True)
@@ -25,9 +18,13 @@ class SparseCorrConfig:
     """What the trainer samples with, corrects and logs.
 
     Attributes:
-        correction: preset name for ``sparsecorr.correction.get_preset`` (``"sparse_rl"``,
-            ``"tis"``, ``"trl:token_mask"``, ``"none"`` ...).
-        correction_kwargs: numbers passed to the preset, e.g. ``{"cap": 2.0}``.
+        correction: the rollout correction: a preset name for
+            ``sparsecorr.correction.get_preset`` (``"sparse_rl"``, ``"tis"``, ``"none"`` ...),
+            any correction object (a factory result such as ``tis(cap=2.0)``, a
+            ``chain(...)``, your own callable), or ``None`` (``"none"``): no correction. It acts
+            only on rollouts whose sampler log-probs are known (a sparse ``policy``, or vLLM).
+        correction_kwargs: numbers passed to the preset by name, e.g. ``{"cap": 2.0}`` (only
+            with a preset name).
         log_metrics: copy the loss's ``mismatch/*`` and ``correction/*`` metrics and the
             rollout statistics into TRL's logged metrics.
         policy: KV policy name for ``sparsecorr.decoding.get_policy`` (``"streaming_llm"``,
@@ -53,12 +50,14 @@ class SparseCorrConfig:
         distill_kl_weight: lambda of the k3 term (paper: 1e-3).
 
     Raises:
-        ValueError: on an unknown preset or policy, or an invalid combination (both or neither
+        ValueError: on an unknown preset or policy, a correction that is neither a name nor a
+            callable (a computed ``Correction`` record belongs to one batch), numbers with a
+            correction object, or an invalid combination (both or neither
             of budget/schedule with a sparse policy, controller without a schedule,
             distillation without a sparse policy).
     """
 
-    correction: str = "sparse_rl"
+    correction: str | Callable | None = "sparse_rl"
     correction_kwargs: dict[str, Any] = field(default_factory=dict)
     log_metrics: bool = True
     policy: str | None = None
@@ -107,8 +106,23 @@ class SparseCorrConfig:
         check_positive("distill_kl_weight", self.distill_kl_weight, allow_zero=True)
 
     def build(self):
-        """The correction object (``None`` for ``"none"``); raises ValueError on a bad name."""
-        return get_preset(self.correction, **self.correction_kwargs)
+        """The correction callable, or ``None`` for no correction (ValueError on a bad value)."""
+        c = self.correction
+        if c is None or isinstance(c, str):
+            if self.correction_kwargs and c in (None, "none"):
+                raise ValueError(f"correction_kwargs: expected none without a correction, got "
+                                 f"{sorted(self.correction_kwargs)}")
+            return None if c is None else get_preset(c, **self.correction_kwargs)
+        if isinstance(c, Correction):
+            raise ValueError("correction: expected a preset name or a callable correction, got a "
+                             "computed Correction record (it belongs to one batch)")
+        if not callable(c):
+            raise ValueError(f"correction: expected a preset name, a callable correction or None, "
+                             f"got {type(c).__name__}")
+        if self.correction_kwargs:
+            raise ValueError(f"correction_kwargs: expected none with a correction object (pass the "
+                             f"numbers to its factory), got {sorted(self.correction_kwargs)}")
+        return c
 
     def build_policy(self):
         """The KV policy, or ``None`` when TRL generates."""
@@ -119,39 +133,3 @@ class SparseCorrConfig:
         if self.schedule is not None:
             return BudgetSchedule.load(self.schedule)
         return self.budget
-
-
-def validate_grpo_args(args: Any, config: SparseCorrConfig | None = None) -> str:
-    """Reject TRL settings that would bypass the corrected loss; return the aggregation.
-
-    Raises:
-        ValueError: ``use_liger_loss=True`` (Liger's fused loss never sees the correction),
-            a ``loss_type`` without a sparsecorr aggregation, sequence-level ratios, or, with a
-            sparse policy in ``config``: vLLM or continuous batching (they would generate
-            instead of the sparse sampler), ``min_p``, ``repetition_penalty != 1`` or extra
-            ``generation_kwargs`` (the sampler's recorded log-probs would not match).
-    """
-    if getattr(args, "use_liger_loss", False):
-        raise ValueError("use_liger_loss: expected False (the Liger fused loss would skip the "
-                         "sparse-rollout correction), got True")
-    loss_type = getattr(args, "loss_type", "dapo")
-    if loss_type not in AGGREGATION_BY_LOSS_TYPE:
-        raise ValueError(f"loss_type: expected one of {sorted(AGGREGATION_BY_LOSS_TYPE)}, "
-                         f"got {loss_type!r}")
-    level = getattr(args, "importance_sampling_level", "token")
-    if level != "token":
-        raise ValueError(f"importance_sampling_level: expected 'token', got {level!r}")
-    if config is not None and config.policy is not None:
-        for name, ok in (("use_vllm", False), ("use_transformers_continuous_batching", False)):
-            if getattr(args, name, ok) != ok:
-                raise ValueError(f"{name}: expected {ok} with SparseCorrConfig.policy="
-                                 f"{config.policy!r} (sparsecorr generates), got True")
-        if getattr(args, "min_p", None) not in (None, 0.0):
-            raise ValueError(f"min_p: expected None with a sparsecorr policy, got {args.min_p!r}")
-        if getattr(args, "repetition_penalty", 1.0) != 1.0:
-            raise ValueError("repetition_penalty: expected 1.0 with a sparsecorr policy, got "
-                             f"{args.repetition_penalty!r}")
-        if getattr(args, "generation_kwargs", None):
-            raise ValueError("generation_kwargs: expected none with a sparsecorr policy, got "
-                             f"{sorted(args.generation_kwargs)}")
-    return AGGREGATION_BY_LOSS_TYPE[loss_type]

@@ -27,23 +27,18 @@ from typing import Any
 import torch
 
 from sparsecorr._checks import finite
-from sparsecorr.losses import dense_mode, sparse_adapter, sparse_grpo
+from sparsecorr.losses import dense_mode, sparse_adapter
 from sparsecorr.mismatch import log_ratio
-from sparsecorr_trl.config import SparseCorrConfig, validate_grpo_args
+from sparsecorr_trl.config import SparseCorrConfig
+from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE, LossSpec, trl_loss, window_counts
+from sparsecorr_trl.metrics import entropy_bonus, trl_metrics
+from sparsecorr_trl.options import check_trl_version, validate_grpo_args
 from sparsecorr_trl.rollout import sampling_kwargs, sparse_rollouts
 
-SUPPORTED_TRL = ("1.16",)
-
-
-def check_trl_version(version: str | None = None) -> str:
-    """Raise ValueError unless the TRL version (default: installed) is a supported release."""
-    if version is None:
-        import trl
-
-        version = trl.__version__
-    if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_TRL):
-        raise ValueError(f"trl version: expected {SUPPORTED_TRL}.x, got {version!r}")
-    return version
+#: multimodal inputs TRL's forward takes from the batch
+_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                 "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                 "mm_token_type_ids", "image_position_ids")
 
 
 def _trainer_base():
@@ -71,15 +66,19 @@ class SparseGRPOTrainer(_trainer_base()):
         check_trl_version()
         grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
         cfg = self.sparsecorr_config = sparsecorr_config or SparseCorrConfig()
-        self.sparsecorr_aggregation = validate_grpo_args(grpo_args, cfg)
+        if grpo_args is not None:
+            validate_grpo_args(grpo_args, cfg)
         self.sparsecorr_correction = cfg.build()
         self.sparsecorr_policy = cfg.build_policy()
         self.sparsecorr_budget = cfg.build_budget()
         if cfg.distill:
-            args, kwargs = self._wrap_adapter(args, kwargs, grpo_args)
+            args, kwargs = self._wrap_adapter(args, kwargs)
         super().__init__(*args, **kwargs)
-        # sparsecorr applies the rollout correction; TRL's own would apply it a second time
-        self.vllm_importance_sampling_correction = False
+        validate_grpo_args(self.args, cfg)
+        self._sparsecorr_loss_spec = LossSpec.from_args(self.args)
+        if self.sparsecorr_correction is not None:
+            # sparsecorr applies the rollout correction; TRL's own would apply it a second time
+            self.vllm_importance_sampling_correction = False
         seed = int(getattr(self.args, "seed", 0)) + 7919 * self.accelerator.process_index
         self._sparsecorr_generator = torch.Generator().manual_seed(seed)
         if cfg.controller and not self._callbacks():
@@ -101,12 +100,8 @@ class SparseGRPOTrainer(_trainer_base()):
                 self.accelerator.unwrap_model(self.model), lr=cfg.distill_lr,
                 kl_weight=cfg.distill_kl_weight)
 
-    def _wrap_adapter(self, args, kwargs, grpo_args):
+    def _wrap_adapter(self, args, kwargs):
         """Wrap the policy in the DistillSparse LoRA adapter before TRL sees it."""
-        if getattr(grpo_args, "beta", 0.0) != 0.0:
-            raise ValueError("beta: expected 0.0 with distill=True (TRL would take the "
-                             "adapter-disabled, trained model as the reference), got "
-                             f"{grpo_args.beta!r}")
         if kwargs.get("peft_config") is not None:
             raise ValueError("peft_config: expected None with distill=True (the sparse adapter "
                              "is the only peft adapter), got a config")
@@ -186,40 +181,70 @@ class SparseGRPOTrainer(_trainer_base()):
             advantages=inputs["advantages"], policy=self.sparsecorr_policy,
             budget=self.sparsecorr_live_budget, sampling=sampling_kwargs(self.args),
             clip_low=self.epsilon_low, clip_high=self.epsilon_high,
-            aggregation=self.sparsecorr_aggregation)
+            aggregation=AGGREGATION_BY_LOSS_TYPE[self.loss_type][0])
         for name, value in metrics.items():
             self._metrics["train"][f"sparsecorr/{name}"].append(value)
 
     def _compute_loss(self, model, inputs):
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        logp, _, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=False)
-        mask = completion_mask.bool()
+        train = self.model.training
+        mode = "train" if train else "eval"
+        mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
-            mask = mask & inputs["tool_mask"].bool()
+            mask = mask * inputs["tool_mask"]
+        logp, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            inputs["completion_ids"].size(1), compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{k: inputs.get(k) for k in _FORWARD_KEYS})
+        advantages = inputs["advantages"]
+        adv2d = advantages[:, None] if advantages.dim() == 1 else advantages
         old_logp = inputs.get("old_per_token_logps")
         old_logp = logp.detach() if old_logp is None else old_logp
         self._sparsecorr_dense_logp = old_logp.detach()
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        factor = None
+        if self.off_policy_mask_threshold is not None:
+            factor = self.get_off_policy_mask(
+                advantages=adv2d, per_token_logps=logp,
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_logp),
+                mask=mask, off_policy_threshold=self.off_policy_mask_threshold)
+        if entropy_mask is not None:
+            factor = entropy_mask.float() if factor is None else factor * entropy_mask
+        grad_accum = self.current_gradient_accumulation_steps if train else 1
+        spec = self._sparsecorr_loss_spec
+        counts = window_counts(spec, mask=mask, num_items_in_batch=inputs.get("num_items_in_batch"),
+                               num_processes=self.accelerator.num_processes,
+                               grad_accum=grad_accum,
+                               steps_per_generation=self.args.steps_per_generation, train=train)
         rollout_logp = inputs.get("sampling_per_token_logps")
-        out = sparse_grpo(
-            logp, old_logp, inputs["advantages"], mask,
-            rollout_logp=rollout_logp,
-            correction=self.sparsecorr_correction if rollout_logp is not None else None,
-            clip_low=self.epsilon_low, clip_high=self.epsilon_high,
-            aggregation=self.sparsecorr_aggregation,
-            norm_length=float(self.max_completion_length),
-            ref_logp=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            kl_coef=float(self.beta),
-        )
-        self._log_sparsecorr(out.metrics)
-        if rollout_logp is not None and self.model.training:
-            self._observe_acceptance(old_logp, rollout_logp, mask, prompt_mask.sum(1))
-        mode = "train" if self.model.training else "eval"
-        scale = getattr(self, "current_gradient_accumulation_steps", 1) if mode == "train" else 1.0
-        return out.loss / scale
+        parts = trl_loss(spec, logp, old_logp, advantages, mask.bool(), counts=counts,
+                         factor=factor, ref_logp=inputs.get("ref_per_token_logps"),
+                         rollout_logp=rollout_logp,
+                         correction=self.sparsecorr_correction if rollout_logp is not None else None)
+        loss = parts.loss
+        logged: dict[str, float] = {}
+        if self._entropy_bonus_enabled:
+            acting = mask if entropy_mask is None else mask * entropy_mask
+            term, logged = entropy_bonus(self, entropies, acting, train=train, grad_accum=grad_accum)
+            loss = loss - term
+            logged["policy_loss"] = self.accelerator.gather(parts.policy_loss).nanmean().item()
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / grad_accum
+            logged["aux_loss"] = self.accelerator.gather_for_metrics(aux_loss).mean().item()
+        logged.update(trl_metrics(
+            self.accelerator, ppo=True, ratio=parts.ratio, advantages=adv2d, mask=mask,
+            entropies=entropies, per_token_kl=parts.per_token_kl, clip_low=spec.clip_low,
+            clip_high=spec.clip_high))
+        for name, value in logged.items():
+            self._metrics[mode][name].append(value)
+        self._log_sparsecorr(parts.metrics)
+        if rollout_logp is not None and train:
+            self._observe_acceptance(old_logp, rollout_logp, mask.bool(),
+                                     inputs["prompt_mask"].sum(1))
+        return loss
 
     def _callbacks(self):
         from sparsecorr_trl.callback import SparseCorrCallback
