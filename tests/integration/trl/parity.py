@@ -92,19 +92,20 @@ class Run:
 
 
 def run(cls=GRPOTrainer, out: str = "/tmp/parity", *, sparsecorr_config=None, model_kwargs=None,
-        trainer_kwargs=None, **overrides) -> Run:
+        trainer_kwargs=None, resume_from_checkpoint=None, **overrides) -> Run:
     """Train ``cls`` for ``BASE['max_steps']`` (or the override) steps and return what it logged."""
     cfg = {**BASE, "output_dir": str(out), **overrides}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is faster, and not slowed by neighbours
     torch.manual_seed(0)
     try:
-        return _train(cls, cfg, sparsecorr_config, model_kwargs, trainer_kwargs)
+        return _train(cls, cfg, sparsecorr_config, model_kwargs, trainer_kwargs,
+                      resume_from_checkpoint)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(cls, cfg, sparsecorr_config, model_kwargs, trainer_kwargs) -> Run:
+def _train(cls, cfg, sparsecorr_config, model_kwargs, trainer_kwargs, resume) -> Run:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = GRPOConfig(**cfg)
@@ -113,7 +114,7 @@ def _train(cls, cfg, sparsecorr_config, model_kwargs, trainer_kwargs) -> Run:
         if sparsecorr_config is not None:
             kwargs["sparsecorr_config"] = sparsecorr_config
         trainer = cls(**kwargs)
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     rows = [r for r in trainer.state.log_history if "train_runtime" not in r]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return Run(rows=rows, params=params, trainer=trainer)

@@ -29,6 +29,13 @@ import torch
 from sparsecorr._checks import finite
 from sparsecorr.losses import dense_mode, sparse_adapter
 from sparsecorr.mismatch import log_ratio
+from sparsecorr_trl.checkpoint import (
+    load_policy,
+    load_sampler_state,
+    sampler_file,
+    save_policy,
+    save_sampler_state,
+)
 from sparsecorr_trl.config import SparseCorrConfig
 from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE, LossSpec, trl_loss, window_counts
 from sparsecorr_trl.metrics import entropy_bonus, trl_metrics
@@ -258,8 +265,32 @@ class SparseGRPOTrainer(_trainer_base()):
         for cb in self._callbacks():
             cb.observe(acceptance, ok, prompt_lengths.long())
 
+    def _sampler_checkpoint(self, directory):
+        return sampler_file(directory, self.args.process_index, self.args.world_size)
+
+    def _save_rng_state(self, output_dir):
+        super()._save_rng_state(output_dir)
+        step = self._sparsecorr_adapter_step
+        save_sampler_state(self._sampler_checkpoint(output_dir), self._sparsecorr_generator,
+                           None if step is None else step.optimizer)
+
+    def _load_rng_state(self, checkpoint):
+        super()._load_rng_state(checkpoint)
+        if checkpoint is not None:
+            step = self._sparsecorr_adapter_step
+            load_sampler_state(self._sampler_checkpoint(checkpoint), self._sparsecorr_generator,
+                               None if step is None else step.optimizer)
+
+    def _save(self, output_dir=None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        if self.sparsecorr_config.distill:  # Trainer saved only the adapter of the PEFT model
+            save_policy(output_dir or self.args.output_dir,
+                        self.accelerator.unwrap_model(self.model))
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.sparsecorr_config.distill:
+            load_policy(resume_from_checkpoint, self.accelerator.unwrap_model(self.model))
         for cb in self._callbacks():
             cb.load_checkpoint(resume_from_checkpoint)
 
