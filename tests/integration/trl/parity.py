@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
@@ -65,7 +66,10 @@ def model(*, eos_shift: float = 2.0, seed: int = 0) -> torch.nn.Module:
             h = m.model(ids).last_hidden_state.reshape(-1, m.config.hidden_size).mean(0)
             m.lm_head.weight[EOS_ID] += eos_shift * h / h.norm() ** 2
         path = Path(tempfile.mkdtemp(prefix="sparsecorr-parity-"))
-        m.save_pretrained(path)
+        # written by hand: save_pretrained writes nothing on non-main processes
+        m.config.to_json_file(path / "config.json")
+        save_file({k: v.contiguous() for k, v in m.state_dict().items()},
+                  str(path / "model.safetensors"), metadata={"format": "pt"})
         _SAVED[key] = path
     m = Qwen3ForCausalLM.from_pretrained(_SAVED[key], attn_implementation="eager")
     return m.train()

@@ -205,3 +205,15 @@ def test_callback_observes_rollout_acceptance(tmp_path):
 def test_callback_rejects_non_controller():
     with pytest.raises(ValueError, match="controller"):
         SparseCorrCallback(object())
+
+
+def test_with_group_binds_every_batch_statistic():
+    from sparsecorr_trl.distributed import with_group
+
+    group = object()
+    bound = with_group(chain(tis(cap=2.0), sparse_rl()), group)
+    assert bound.pieces[1].group is group and bound.pieces[0] == tis(cap=2.0)
+    assert with_group(sparse_rl(), None) == sparse_rl()
+    assert with_group(tis(), group) == tis()
+    own = _Halve()
+    assert with_group(own, group) is own

@@ -37,6 +37,7 @@ from sparsecorr_trl.checkpoint import (
     save_sampler_state,
 )
 from sparsecorr_trl.config import SparseCorrConfig
+from sparsecorr_trl.distributed import with_group
 from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE, LossSpec, trl_loss, window_counts
 from sparsecorr_trl.metrics import entropy_bonus, trl_metrics
 from sparsecorr_trl.options import check_trl_version, validate_grpo_args
@@ -86,6 +87,11 @@ class SparseGRPOTrainer(_trainer_base()):
         if self.sparsecorr_correction is not None:
             # sparsecorr applies the rollout correction; TRL's own would apply it a second time
             self.vllm_importance_sampling_correction = False
+            if self.accelerator.num_processes > 1:  # batch statistics over every process
+                import torch.distributed as dist
+
+                self.sparsecorr_correction = with_group(self.sparsecorr_correction,
+                                                        dist.group.WORLD)
         seed = int(getattr(self.args, "seed", 0)) + 7919 * self.accelerator.process_index
         self._sparsecorr_generator = torch.Generator().manual_seed(seed)
         if cfg.controller and not self._callbacks():
