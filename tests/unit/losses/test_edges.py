@@ -96,7 +96,7 @@ def _finite_batch(b=6, t=9, seed=0):
 @pytest.mark.parametrize("which", ["logp", "old_logp", "ref_logp"])
 @pytest.mark.parametrize("bad", [NAN, INF, -INF])
 def test_nonfinite_learner_dense_or_reference_token_is_dropped_and_counted(which, bad):
-    logp, old, roll, ref, adv, mask = _finite_batch()
+    logp, old, _, ref, adv, mask = _finite_batch()
     mask[0, 0] = True
     tensors = dict(logp=logp, old_logp=old, ref_logp=ref)
     tensors[which] = tensors[which].clone()
