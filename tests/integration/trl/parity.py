@@ -67,6 +67,7 @@ def model(*, eos_shift: float = 2.0, seed: int = 0) -> torch.nn.Module:
             m.lm_head.weight[EOS_ID] += eos_shift * h / h.norm() ** 2
         path = Path(tempfile.mkdtemp(prefix="sparsecorr-parity-"))
         # written by hand: save_pretrained writes nothing on non-main processes
+        m.config.architectures = [type(m).__name__]
         m.config.to_json_file(path / "config.json")
         save_file({k: v.contiguous() for k, v in m.state_dict().items()},
                   str(path / "model.safetensors"), metadata={"format": "pt"})

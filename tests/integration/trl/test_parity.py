@@ -57,6 +57,8 @@ OTHER = {
     "sync_ref": {"beta": 0.5, "sync_ref_model": True, "ref_model_sync_steps": 1,
                  "ref_model_mixup_alpha": 0.5, "num_iterations": 2},
     "completion_length": {"max_completion_length": 9},
+    "sapo_temperatures": {**MOVING, "loss_type": "sapo", "sapo_temperature_pos": 2.0,
+                          "sapo_temperature_neg": 0.5},
 }
 
 
@@ -73,15 +75,24 @@ def test_loss_types_by_schedule(tmp_path, loss_type, schedule):
     _check(tmp_path, loss_type=loss_type, **SCHEDULES[schedule])
 
 
+#: (loss type, option) pairs TRL runs that SparseGRPOTrainer rejects (sparsecorr_trl.options)
+REJECTED = {("cispo", "sequence_ratio"), ("sapo", "sequence_ratio")}
+
+
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_options_by_loss_type(tmp_path, loss_type, option):
+    if (loss_type, option) in REJECTED:
+        with pytest.raises(ValueError, match="importance_sampling_level"):
+            parity.run(SparseGRPOTrainer, out=tmp_path, loss_type=loss_type,
+                       sparsecorr_config=SparseCorrConfig(correction=None), **OPTIONS[option])
+        return
     _check(tmp_path, loss_type=loss_type, **OPTIONS[option])
 
 
 @pytest.mark.parametrize("cell", sorted(OTHER))
-def test_trl_side_options(tmp_path, cell):
-    _check(tmp_path, loss_type="dapo", **OTHER[cell])
+def test_other_options(tmp_path, cell):
+    _check(tmp_path, **{"loss_type": "dapo", **OTHER[cell]})
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))

@@ -21,7 +21,8 @@ from sparsecorr_trl.options import PARITY, RULES, TRL, classify
 from trl import GRPOConfig
 
 from sparsecorr.correction import Correction, chain, sparse_rl, tis, trl, veto
-from sparsecorr.losses import sparse_grpo
+from sparsecorr.losses import Aggregation, PPOClip, sparse_grpo
+from sparsecorr.mismatch import measure
 from sparsecorr.schedules import BudgetSchedule, TailController
 from tests.integration.trl import parity
 
@@ -95,8 +96,8 @@ def test_trl_preset_matches_trl_default():
 class _Halve:
     """A user's own correction: every token weighted 1/2."""
 
-    def __call__(self, inputs):
-        return Correction(weights=inputs.mask.float() / 2, mask=inputs.mask, metrics={})
+    def __call__(self, mm):
+        return Correction(mask=mm.valid, token_weights=mm.valid.float() / 2, source=mm)
 
 
 @pytest.mark.parametrize("correction, kwargs, expect", [
@@ -122,8 +123,7 @@ def test_correction_accepts_names_numbers_and_objects(correction, kwargs, expect
     (3.0, {}, "correction"),
     (tis(), {"cap": 2.0}, "correction_kwargs"),
     (None, {"cap": 2.0}, "correction_kwargs"),
-    (Correction(weights=torch.ones(1, 2), mask=torch.ones(1, 2, dtype=torch.bool), metrics={}),
-     {}, "Correction record"),
+    (Correction(mask=torch.ones(1, 2, dtype=torch.bool)), {}, "Correction record"),
 ])
 def test_correction_rejects_what_it_cannot_use(correction, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -136,7 +136,8 @@ def test_training_logs_metrics_and_loss_matches_hand(tmp_path):
     logged = {k for row in trainer.state.log_history for k in row}
     assert any(k.startswith("sparsecorr/") for k in logged), logged
     assert {"entropy", "clip_ratio/low_mean", "clip_ratio/high_max"} <= logged
-    # loss path with sparse rollout log-probs equals sparse_grpo recomputed by hand
+    # a micro-batch as the generate-and-score step leaves it (the correction computed there,
+    # its mask and weights carried with the batch): the loss is sparse_grpo's by hand
     g = torch.Generator().manual_seed(0)
     b, t = 4, 5
     prompt = torch.randint(4, 40, (b, 3), generator=g)
@@ -151,14 +152,17 @@ def test_training_logs_metrics_and_loss_matches_hand(tmp_path):
     old = logp + 0.05 * torch.randn(b, t, generator=g)
     roll = logp + 0.3 * torch.randn(b, t, generator=g)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    mm = measure(old, roll, cmask.bool())
+    corr = sparse_rl()(mm)
     inputs = dict(prompt_ids=prompt, prompt_mask=torch.ones_like(prompt), completion_ids=comp,
                   completion_mask=cmask, advantages=adv, old_per_token_logps=old,
-                  sampling_per_token_logps=roll)
+                  sampling_per_token_logps=roll, sparsecorr_old_logp=old,
+                  sparsecorr_mask=corr.mask, sparsecorr_weights=corr.weights)
     with torch.no_grad():
         got = trainer._compute_loss(trainer.model, inputs)
-    want = sparse_grpo(logp, old, adv, cmask.bool(), rollout_logp=roll, correction=sparse_rl(),
-                       clip_low=0.2, clip_high=0.2, aggregation="seq-mean-token-mean",
-                       num_sequences=b).loss
+    want = sparse_grpo(logp, old, adv, cmask.bool(), mismatch=mm, correction=corr,
+                       surrogate=PPOClip(clip_low=0.2, clip_high=0.2),
+                       aggregation=Aggregation("seq-mean-token-mean", num_sequences=b)).loss
     torch.testing.assert_close(got, want)
     assert trainer.vllm_importance_sampling_correction is False
 
@@ -182,33 +186,13 @@ def test_callback_logs_schedule_and_checkpoint_resume_restores_it(tmp_path):
     assert cb.schedule == saved
 
 
-def test_callback_observes_rollout_acceptance(tmp_path):
-    cb = SparseCorrCallback(_controller((2, 4, None)))
-    trainer = _trainer(tmp_path, callbacks=[cb])
-    seen = []
-    cb.observe = lambda acc, mask, offset=None: seen.append((acc, mask))
-    b, t = 2, 4
-    comp = torch.randint(4, 40, (b, t))
-    roll = torch.full((b, t), -3.0)
-    roll[0, 0] = float("-inf")
-    inputs = dict(prompt_ids=torch.randint(4, 40, (b, 3)), prompt_mask=torch.ones(b, 3),
-                  completion_ids=comp, completion_mask=torch.ones(b, t, dtype=torch.long),
-                  advantages=torch.tensor([1.0, -1.0]), sampling_per_token_logps=roll)
-    trainer.current_gradient_accumulation_steps = 1
-    with torch.no_grad():
-        trainer._compute_loss(trainer.model, inputs)
-    (acc, mask), = seen
-    assert acc.shape == (b, t) and bool((acc <= 1).all()) and bool((acc >= 0).all())
-    assert not bool(mask[0, 0]) and int(mask.sum()) == b * t - 1
-
-
 def test_callback_rejects_non_controller():
     with pytest.raises(ValueError, match="controller"):
         SparseCorrCallback(object())
 
 
 def test_with_group_binds_every_batch_statistic():
-    from sparsecorr_trl.distributed import with_group
+    from sparsecorr_trl.corrections import with_group
 
     group = object()
     bound = with_group(chain(tis(cap=2.0), sparse_rl()), group)

@@ -33,14 +33,17 @@ class SparseCorrConfig:
             TRL's own generation (vLLM rollouts are then corrected with their log-probs).
         policy_kwargs: the policy's arguments, e.g. ``{"sink": 4}``.
         budget: a constant KV budget (tokens per layer and head).
-        schedule: path of a ``BudgetSchedule`` JSON (``sparsecorr schedule fit`` writes one);
-            the budget then depends on the context length. Exactly one of ``budget`` and
+        schedule: path of a ``BudgetSchedule`` JSON (``sparsecorr schedule --table ...
+            --out ...`` writes one); the budget then depends on the context length. Exactly one of ``budget`` and
             ``schedule`` is needed with a sparse policy.
         controller: drive the schedule online with a ``TailController`` (Sparrow's tail rule);
             needs ``schedule``. A ``SparseCorrCallback`` is added unless one is passed.
         controller_candidates: budgets the controller may move between (default: the
             schedule's own budgets).
         tau: the controller's threshold on the tail of the acceptance (Sparrow: 0.86).
+        acceptance: compute the per-token acceptance rate (``Mismatch.acceptance``, see
+            ``sparsecorr_trl.score``) for a correction of your own that reads it; it is computed
+            anyway with a controller or a ``sparse_tail`` correction. Needs ``policy``.
         distill: DistillSparse (Sparrow): a LoRA adapter active only in the sparse sampler,
             trained after each policy step with ``distill_sparse_loss``; needs ``policy`` and
             peft.
@@ -67,6 +70,7 @@ class SparseCorrConfig:
     controller: bool = False
     controller_candidates: tuple[int, ...] = ()
     tau: float = 0.86
+    acceptance: bool = False
     distill: bool = False
     distill_rank: int = 16
     distill_alpha: int = 16
@@ -94,6 +98,9 @@ class SparseCorrConfig:
         if self.controller and self.schedule is None:
             raise ValueError("controller: needs a schedule (the controller adjusts its bins), "
                              "got schedule=None")
+        if self.acceptance and self.policy is None:
+            raise ValueError("acceptance: needs the sparse sampler's top-k log-probs (set "
+                             "policy), got policy=None")
         if not 0.0 < self.tau < 1.0:
             raise ValueError(f"tau: expected a number in (0, 1), got {self.tau!r}")
         if self.distill and not sparse:

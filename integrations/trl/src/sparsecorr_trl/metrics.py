@@ -6,7 +6,7 @@ all processes), ``clip_ratio/{low,high,region}_mean`` (token means of
 \(\rho < 1-\varepsilon_l \wedge A<0\), \(\rho > 1+\varepsilon_h \wedge A>0\), either),
 ``clip_ratio/low_min`` and ``clip_ratio/high_max`` (the min / max over all sequences of the
 per-sequence fraction), ``policy_loss`` and ``entropy_coef`` (with an entropy bonus) and
-``aux_loss`` (MoE). sparsecorr's own metrics are logged beside them as ``sparsecorr/*``.
+``aux_loss`` (MoE), ``cispo_clip_ratio`` (``cispo``). sparsecorr's own metrics are logged beside them as ``sparsecorr/*``.
 
 The entropy bonus is TRL's \(L = L_\text{policy} - c\,\bar H\) with \(\bar H\) the mean entropy
 over the tokens the loss acts on (the entropy mask applied), divided by the accumulation
@@ -43,14 +43,15 @@ def _global_mean(accelerator, x: torch.Tensor, mask: torch.Tensor) -> float:
     return (totals[0] / totals[1].clamp(min=1.0)).item()
 
 
-def trl_metrics(accelerator, *, ppo: bool, ratio: torch.Tensor, advantages: torch.Tensor,
+def trl_metrics(accelerator, *, loss_type: str, ratio: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, entropies: torch.Tensor, per_token_kl: torch.Tensor | None,
                 clip_low: float, clip_high: float) -> dict[str, float]:
     """TRL's ``kl``, ``entropy`` and ``clip_ratio/*`` for one micro-batch (module docstring).
 
     Args:
         accelerator: the trainer's ``accelerate.Accelerator`` (reduces over processes).
-        ppo: the loss clips the ratio (every accepted loss type but ``cispo``/``sapo``).
+        loss_type: TRL's ``loss_type`` (``clip_ratio/*`` for the PPO types, ``cispo_clip_ratio``
+            for ``cispo``, nothing more for ``sapo``).
         ratio: detached \\(\\rho\\) (after TRL's ``delta`` clamp).
         advantages: ``[B, 1]`` advantages as the loss saw them before any masking.
         mask: float loss mask.
@@ -65,7 +66,10 @@ def trl_metrics(accelerator, *, ppo: bool, ratio: torch.Tensor, advantages: torc
     if per_token_kl is not None:
         out["kl"] = _global_mean(accelerator, per_token_kl, mask)
     out["entropy"] = _global_mean(accelerator, entropies, mask)
-    if ppo:
+    if loss_type == "cispo":
+        clipped = ((ratio > clip_high) & (advantages > 0)).float()
+        out["cispo_clip_ratio"] = _global_mean(accelerator, clipped, mask)
+    elif loss_type != "sapo":
         low = ((ratio < 1 - clip_low) & (advantages < 0)).float()
         high = ((ratio > 1 + clip_high) & (advantages > 0)).float()
         out["clip_ratio/low_mean"] = _global_mean(accelerator, low, mask)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE
+from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE, PPO_LOSS_TYPES
 
 SUPPORTED_TRL = ("1.16",)
 
@@ -39,6 +39,8 @@ PARITY: dict[str, str] = {
     "epsilon_high": "upper clip",
     "delta": "two-sided clip = sparse_grpo's dual clip (needs delta > 1 + epsilon_high)",
     "importance_sampling_level": "'token', or 'sequence' (GSPO ratio) with the PPO loss types",
+    "sapo_temperature_pos": "SAPO's gate temperature for positive advantages",
+    "sapo_temperature_neg": "SAPO's gate temperature for other advantages",
     "off_policy_mask_threshold": "OPSM: zeroes a sequence's loss, keeps it in the denominator",
     "top_entropy_quantile": "entropy mask: zeroes a token's loss, keeps it in the denominator",
     "entropy_coef": "entropy bonus (mean entropy over the tokens the loss acts on)",
@@ -90,8 +92,6 @@ TRL: dict[str, str] = {
                             "tiny MoE parity cell)",
     **{name: "read only by loss_type='vespo', which is rejected" for name in (
         "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
-    **{name: "read only by loss_type='sapo', which is rejected" for name in (
-        "sapo_temperature_neg", "sapo_temperature_pos")},
 }
 
 
@@ -120,12 +120,16 @@ _POLICY = {"policy": "streaming_llm", "budget": 4}
 
 RULES: tuple[Rule, ...] = (
     Rule("loss_type", f"anything but {sorted(AGGREGATION_BY_LOSS_TYPE)}",
-         "cispo and sapo wait for sparse_grpo's CISPO/SAPO surrogates; vespo's sequence-level "
-         "gamma weights are not a sparse_grpo surrogate",
+         "vespo's sequence-level gamma weights are not a sparse_grpo surrogate",
          lambda a, c: a.loss_type not in AGGREGATION_BY_LOSS_TYPE, {"loss_type": "vespo"}),
-    Rule("delta", "<= 1 + epsilon_high",
+    Rule("importance_sampling_level", "'sequence' with cispo or sapo",
+         "sparse_grpo's sequence ratio (GSPO) is the clipped PPO surrogate only",
+         lambda a, c: a.importance_sampling_level != "token" and a.loss_type not in PPO_LOSS_TYPES,
+         {"importance_sampling_level": "sequence", "loss_type": "cispo"}),
+    Rule("delta", "<= 1 + epsilon_high with a PPO loss type",
          "TRL's two-sided clip equals the dual clip only above the upper clip",
-         lambda a, c: a.delta is not None and a.delta <= 1 + (a.epsilon_high or a.epsilon),
+         lambda a, c: (a.delta is not None and a.loss_type in PPO_LOSS_TYPES
+                       and a.delta <= 1 + (a.epsilon_high or a.epsilon)),
          {"delta": 1.1, "epsilon": 0.2}),
     Rule("use_vllm", "True with a sparse policy", "sparsecorr generates the rollouts",
          lambda a, c: _sparse(c) and a.use_vllm, {"use_vllm": True}, _POLICY),

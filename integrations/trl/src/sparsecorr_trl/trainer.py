@@ -22,13 +22,14 @@ Shapes:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
-from sparsecorr._checks import finite
+from sparsecorr.correction import Correction
 from sparsecorr.losses import dense_mode, sparse_adapter
-from sparsecorr.mismatch import log_ratio
+from sparsecorr.mismatch import measure
 from sparsecorr_trl.checkpoint import (
     load_policy,
     load_sampler_state,
@@ -37,11 +38,12 @@ from sparsecorr_trl.checkpoint import (
     save_sampler_state,
 )
 from sparsecorr_trl.config import SparseCorrConfig
-from sparsecorr_trl.distributed import with_group
-from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE, LossSpec, trl_loss, window_counts
+from sparsecorr_trl.corrections import needs_acceptance, with_group
+from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE, LossSpec, aggregation, trl_loss
 from sparsecorr_trl.metrics import entropy_bonus, trl_metrics
 from sparsecorr_trl.options import check_trl_version, validate_grpo_args
 from sparsecorr_trl.rollout import sampling_kwargs, sparse_rollouts
+from sparsecorr_trl.score import ACCEPTANCE_TOPK, score_rollouts
 
 #: multimodal inputs TRL's forward takes from the batch
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
@@ -105,6 +107,12 @@ class SparseGRPOTrainer(_trainer_base()):
                 raise ValueError("controller_candidates: expected budgets (the schedule is dense "
                                  "everywhere), got none")
             self.add_callback(SparseCorrCallback(TailController(schedule, candidates, tau=cfg.tau)))
+        self._sparsecorr_topk = None
+        self._sparsecorr_needs_acceptance = bool(
+            cfg.acceptance or self._callbacks() or needs_acceptance(self.sparsecorr_correction))
+        if self._sparsecorr_needs_acceptance and self.sparsecorr_policy is None and self.use_vllm:
+            raise ValueError("policy: the acceptance rate (controller, sparse_tail) needs the "
+                             "sparse sampler's top-k log-probs, got policy=None with vLLM")
         self._sparsecorr_adapter_step = None
         if cfg.distill:
             from sparsecorr_trl.distill import AdapterStep
@@ -145,21 +153,44 @@ class SparseGRPOTrainer(_trainer_base()):
             raise ValueError("images: sparsecorr's sampler is text-only, got image inputs")
         mode = "train" if self.model.training else "eval"
         model = self.accelerator.unwrap_model(self.model)
-        completions, logprobs, stats = sparse_rollouts(
+        topk = ACCEPTANCE_TOPK if self._sparsecorr_needs_acceptance else 0
+        if topk and self._sparsecorr_topk is not None:
+            raise ValueError("max_tool_calling_iterations: the acceptance rate (controller, "
+                             "sparse_tail) needs one sampler call per generation batch, got a "
+                             "multi-turn tool loop")
+        out = sparse_rollouts(
             model, prompt_ids, policy=self.sparsecorr_policy, budget=self.sparsecorr_live_budget,
             max_new_tokens=self.max_completion_length, eos_token_id=list(self.eos_token_ids),
             pad_token_id=self._tokenizer.pad_token_id or 0, generator=self._sparsecorr_generator,
-            sampling=sampling_kwargs(self.args))
+            sampling=sampling_kwargs(self.args), logprobs_topk=topk)
+        if topk:
+            self._sparsecorr_topk = (out.topk_logp, out.topk_ids)
         if self.sparsecorr_config.log_metrics:
-            for name, value in stats.as_metrics().items():
+            for name, value in out.stats.as_metrics().items():
                 self._metrics[mode][name].append(value)
-        return completions, logprobs
+        return out.completions, out.logprobs
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._sparsecorr_rewards = rewards  # all processes; the correction may re-derive advantages
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        self._sparsecorr_topk = None
+        out = super()._generate_and_score_completions(inputs)
+        if "sampling_per_token_logps" in out and (self.sparsecorr_correction is not None
+                                                  or self._sparsecorr_topk is not None):
+            out = score_rollouts(self, out, topk=self._sparsecorr_topk)
+        self._sparsecorr_topk = None
+        return out
+
+    def _sparsecorr_dense_context(self, model):
+        """Every dense forward runs with the DistillSparse adapter off."""
+        return dense_mode(model) if self.sparsecorr_config.distill else contextlib.nullcontext()
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        if not self.sparsecorr_config.distill:
-            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         # DistillSparse: every learner forward is the dense model (adapter off)
-        with dense_mode(self.accelerator.unwrap_model(model)):
+        with self._sparsecorr_dense_context(self.accelerator.unwrap_model(model)):
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     def _prepare_inputs(self, generation_batch):
@@ -200,7 +231,6 @@ class SparseGRPOTrainer(_trainer_base()):
 
     def _compute_loss(self, model, inputs):
         train = self.model.training
-        mode = "train" if train else "eval"
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
@@ -214,7 +244,7 @@ class SparseGRPOTrainer(_trainer_base()):
         adv2d = advantages[:, None] if advantages.dim() == 1 else advantages
         old_logp = inputs.get("old_per_token_logps")
         old_logp = logp.detach() if old_logp is None else old_logp
-        self._sparsecorr_dense_logp = old_logp.detach()
+        self._sparsecorr_dense_logp = inputs.get("sparsecorr_old_logp", old_logp).detach()
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
@@ -228,15 +258,14 @@ class SparseGRPOTrainer(_trainer_base()):
             factor = entropy_mask.float() if factor is None else factor * entropy_mask
         grad_accum = self.current_gradient_accumulation_steps if train else 1
         spec = self._sparsecorr_loss_spec
-        counts = window_counts(spec, mask=mask, num_items_in_batch=inputs.get("num_items_in_batch"),
-                               num_processes=self.accelerator.num_processes,
-                               grad_accum=grad_accum,
-                               steps_per_generation=self.args.steps_per_generation, train=train)
-        rollout_logp = inputs.get("sampling_per_token_logps")
-        parts = trl_loss(spec, logp, old_logp, advantages, mask.bool(), counts=counts,
+        agg, divisor = aggregation(
+            spec, mask=mask, num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=self.accelerator.num_processes, grad_accum=grad_accum,
+            steps_per_generation=self.args.steps_per_generation, train=train)
+        mm, corr = self._sparsecorr_loss_correction(inputs, old_logp, mask.bool())
+        parts = trl_loss(spec, logp, old_logp, advantages, mask.bool(), agg=agg, divisor=divisor,
                          factor=factor, ref_logp=inputs.get("ref_per_token_logps"),
-                         rollout_logp=rollout_logp,
-                         correction=self.sparsecorr_correction if rollout_logp is not None else None)
+                         mismatch=mm, correction=corr)
         loss = parts.loss
         logged: dict[str, float] = {}
         if self._entropy_bonus_enabled:
@@ -248,28 +277,33 @@ class SparseGRPOTrainer(_trainer_base()):
             loss = loss + self.router_aux_loss_coef * aux_loss / grad_accum
             logged["aux_loss"] = self.accelerator.gather_for_metrics(aux_loss).mean().item()
         logged.update(trl_metrics(
-            self.accelerator, ppo=True, ratio=parts.ratio, advantages=adv2d, mask=mask,
-            entropies=entropies, per_token_kl=parts.per_token_kl, clip_low=spec.clip_low,
-            clip_high=spec.clip_high))
+            self.accelerator, loss_type=spec.loss_type, ratio=parts.ratio, advantages=adv2d,
+            mask=mask, entropies=entropies, per_token_kl=parts.per_token_kl,
+            clip_low=spec.clip_low, clip_high=spec.clip_high))
+        mode = "train" if train else "eval"
         for name, value in logged.items():
             self._metrics[mode][name].append(value)
         self._log_sparsecorr(parts.metrics)
-        if rollout_logp is not None and train:
-            self._observe_acceptance(old_logp, rollout_logp, mask.bool(),
-                                     inputs["prompt_mask"].sum(1))
         return loss
+
+    def _sparsecorr_loss_correction(self, inputs, old_logp, mask):
+        """The rollout's ``Mismatch`` record and the ``Correction`` computed at generation
+        (``sparsecorr_trl.score``) for this micro-batch; ``(None, None)`` without sampler
+        log-probs."""
+        rollout_logp = inputs.get("sampling_per_token_logps")
+        if rollout_logp is None:
+            return None, None
+        mm = measure(inputs.get("sparsecorr_old_logp", old_logp), rollout_logp, mask,
+                     validate=False)
+        if "sparsecorr_mask" not in inputs:
+            return mm, None
+        return mm, Correction(mask=inputs["sparsecorr_mask"],
+                              token_weights=inputs["sparsecorr_weights"])
 
     def _callbacks(self):
         from sparsecorr_trl.callback import SparseCorrCallback
 
         return [c for c in self.callback_handler.callbacks if isinstance(c, SparseCorrCallback)]
-
-    def _observe_acceptance(self, old_logp, rollout_logp, mask, prompt_lengths) -> None:
-        """Feed min(1, pi_old / pi_rollout) per token to the controller, binned by context length."""
-        ok = mask & finite(old_logp) & finite(rollout_logp)
-        acceptance = torch.exp(log_ratio(old_logp.detach(), rollout_logp, ok).clamp(max=0.0))
-        for cb in self._callbacks():
-            cb.observe(acceptance, ok, prompt_lengths.long())
 
     def _sampler_checkpoint(self, directory):
         return sampler_file(directory, self.args.process_index, self.args.world_size)
