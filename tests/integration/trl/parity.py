@@ -20,7 +20,12 @@ import torch
 from datasets import Dataset
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from trl import GRPOConfig, GRPOTrainer
 
 from tests.models import tiny_model
@@ -51,16 +56,31 @@ def tokenizer() -> PreTrainedTokenizerFast:
 _SAVED: dict[tuple, Path] = {}
 
 
-def model(*, eos_shift: float = 2.0, seed: int = 0) -> torch.nn.Module:
-    """The tiny Qwen3 (vocab 64) with a likelier EOS, in train mode.
+def _tiny_moe(seed: int) -> torch.nn.Module:
+    """A tiny Qwen3-MoE (4 experts, 2 per token) with a load-balancing loss coefficient."""
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, router_aux_loss_coef=0.05,
+                            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def model(*, eos_shift: float = 2.0, seed: int = 0, moe: bool = False) -> torch.nn.Module:
+    """The tiny Qwen3 (vocab 64; a Qwen3-MoE with ``moe=True``) with a likelier EOS, in train
+    mode.
 
     It is saved once per process (safetensors) and loaded from there, so that its
     ``config._name_or_path`` points at the initial weights: that is where TRL loads its
     reference model from when ``beta != 0``.
     """
-    key = (eos_shift, seed)
+    key = (eos_shift, seed, moe)
+    cls = Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM
     if key not in _SAVED:
-        m = tiny_model("qwen3", vocab_size=64, seed=seed)
+        m = _tiny_moe(seed) if moe else tiny_model("qwen3", vocab_size=64, seed=seed)
         ids = torch.randint(4, 4 + len(CHARS), (32, 8), generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
             h = m.model(ids).last_hidden_state.reshape(-1, m.config.hidden_size).mean(0)
@@ -72,7 +92,7 @@ def model(*, eos_shift: float = 2.0, seed: int = 0) -> torch.nn.Module:
         save_file({k: v.contiguous() for k, v in m.state_dict().items()},
                   str(path / "model.safetensors"), metadata={"format": "pt"})
         _SAVED[key] = path
-    m = Qwen3ForCausalLM.from_pretrained(_SAVED[key], attn_implementation="eager")
+    m = cls.from_pretrained(_SAVED[key], attn_implementation="eager")
     return m.train()
 
 
@@ -115,7 +135,8 @@ def _train(cls, cfg, sparsecorr_config, model_kwargs, trainer_kwargs, resume) ->
         warnings.simplefilter("ignore")
         args = GRPOConfig(**cfg)
         kwargs = dict(model=model(**(model_kwargs or {})), reward_funcs=reward, args=args,
-                      train_dataset=dataset(), processing_class=tokenizer(), **(trainer_kwargs or {}))
+                      train_dataset=dataset(), processing_class=tokenizer())
+        kwargs.update(trainer_kwargs or {})
         if sparsecorr_config is not None:
             kwargs["sparsecorr_config"] = sparsecorr_config
         trainer = cls(**kwargs)

@@ -95,6 +95,19 @@ def test_other_options(tmp_path, cell):
     _check(tmp_path, **{"loss_type": "dapo", **OTHER[cell]})
 
 
+@pytest.mark.parametrize("coef", [None, 0.2])
+def test_moe_load_balancing_loss(tmp_path, coef):
+    """A tiny Qwen3-MoE: TRL adds the router's load-balancing loss (``aux_loss``), with the
+    model's coefficient or ``router_aux_loss_coef``."""
+    ref = parity.run(out=tmp_path / "trl", model_kwargs={"moe": True}, loss_type="dapo",
+                     num_iterations=2, router_aux_loss_coef=coef)
+    got = parity.run(SparseGRPOTrainer, out=tmp_path / "ours", model_kwargs={"moe": True},
+                     loss_type="dapo", num_iterations=2, router_aux_loss_coef=coef,
+                     sparsecorr_config=SparseCorrConfig(correction=None))
+    assert all("aux_loss" in row for row in ref.rows)
+    parity.assert_parity(ref, got)
+
+
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_each_option_changes_stock_trl(tmp_path, option):
     """The matrix can fail: each option, alone, changes what stock TRL trains."""
@@ -110,7 +123,8 @@ def test_each_option_changes_stock_trl(tmp_path, option):
 def test_every_parity_option_is_in_the_matrix():
     """Each option ``sparsecorr_trl.options.PARITY`` claims is set to a non-default value in a cell."""
     defaults = GRPOConfig(**{**parity.BASE, "output_dir": "/tmp/unused"})
-    cells = [*SCHEDULES.values(), *OPTIONS.values(), *OTHER.values(), {"loss_type": "grpo"}]
+    cells = [*SCHEDULES.values(), *OPTIONS.values(), *OTHER.values(), {"loss_type": "grpo"},
+             {"router_aux_loss_coef": 0.2}]
     for name in PARITY:
         values = [c[name] for c in cells if name in c]
         assert any(v != getattr(defaults, name) for v in values), name

@@ -201,3 +201,15 @@ def test_with_group_binds_every_batch_statistic():
     assert with_group(tis(), group) == tis()
     own = _Halve()
     assert with_group(own, group) is own
+
+
+def test_the_docs_table_lists_every_option():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "docs/integrations/trl.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in text.splitlines()
+            if line.startswith("| `")}
+    named = set(PARITY) | set(TRL) | {r.field for r in RULES}
+    assert named <= rows, sorted(named - rows)
+    for rule in RULES:
+        assert f"rejected: {rule.values}" in text, rule.field

@@ -44,6 +44,9 @@ class SparseCorrConfig:
         acceptance: compute the per-token acceptance rate (``Mismatch.acceptance``, see
             ``sparsecorr_trl.score``) for a correction of your own that reads it; it is computed
             anyway with a controller or a ``sparse_tail`` correction. Needs ``policy``.
+        acceptance_topk: k of the top-k lower bound of the acceptance on both sides (use the
+            ``logprobs_topk`` your calibration used; Sparrow: 20; the vocabulary size makes it
+            exact).
         distill: DistillSparse (Sparrow): a LoRA adapter active only in the sparse sampler,
             trained after each policy step with ``distill_sparse_loss``; needs ``policy`` and
             peft.
@@ -71,6 +74,7 @@ class SparseCorrConfig:
     controller_candidates: tuple[int, ...] = ()
     tau: float = 0.86
     acceptance: bool = False
+    acceptance_topk: int = 20
     distill: bool = False
     distill_rank: int = 16
     distill_alpha: int = 16
@@ -106,7 +110,7 @@ class SparseCorrConfig:
         if self.distill and not sparse:
             raise ValueError("distill: DistillSparse needs a sparse policy (the adapter is "
                              f"active only in the sparse sampler), got policy={self.policy!r}")
-        for name in ("distill_rank", "distill_alpha"):
+        for name in ("distill_rank", "distill_alpha", "acceptance_topk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
         check_positive("distill_lr", self.distill_lr, allow_zero=True)

@@ -39,6 +39,7 @@ PARITY: dict[str, str] = {
     "epsilon_high": "upper clip",
     "delta": "two-sided clip = sparse_grpo's dual clip (needs delta > 1 + epsilon_high)",
     "importance_sampling_level": "'token', or 'sequence' (GSPO ratio) with the PPO loss types",
+    "router_aux_loss_coef": "MoE load-balancing loss, added as TRL adds it (tiny Qwen3-MoE)",
     "sapo_temperature_pos": "SAPO's gate temperature for positive advantages",
     "sapo_temperature_neg": "SAPO's gate temperature for other advantages",
     "off_policy_mask_threshold": "OPSM: zeroes a sequence's loss, keeps it in the denominator",
@@ -88,8 +89,6 @@ TRL: dict[str, str] = {
     "log_completions": "logging", "log_multimodal": "logging",
     "num_completions_to_print": "logging", "log_unique_prompts": "logging",
     "log_completions_hub_repo": "logging",
-    "router_aux_loss_coef": "MoE load-balancing loss, added as TRL adds it (untested: no "
-                            "tiny MoE parity cell)",
     **{name: "read only by loss_type='vespo', which is rejected" for name in (
         "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
 }

@@ -42,9 +42,7 @@ from sparsecorr._checks import count
 from sparsecorr.mismatch import acceptance_rate_topk, measure, mismatch_metrics, topk_logprobs
 from sparsecorr_trl.advantages import trl_advantages
 
-__all__ = ["ACCEPTANCE_TOPK", "acceptance", "score_rollouts"]
-
-ACCEPTANCE_TOPK = 20  # as calibration (Sparrow records the top-20)
+__all__ = ["acceptance", "dense_old_logp", "score_rollouts"]
 
 
 def _inputs(out):

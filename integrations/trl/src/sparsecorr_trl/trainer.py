@@ -43,7 +43,7 @@ from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE, LossSpec, aggregation,
 from sparsecorr_trl.metrics import entropy_bonus, trl_metrics
 from sparsecorr_trl.options import check_trl_version, validate_grpo_args
 from sparsecorr_trl.rollout import sampling_kwargs, sparse_rollouts
-from sparsecorr_trl.score import ACCEPTANCE_TOPK, score_rollouts
+from sparsecorr_trl.score import score_rollouts
 
 #: multimodal inputs TRL's forward takes from the batch
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
@@ -153,7 +153,7 @@ class SparseGRPOTrainer(_trainer_base()):
             raise ValueError("images: sparsecorr's sampler is text-only, got image inputs")
         mode = "train" if self.model.training else "eval"
         model = self.accelerator.unwrap_model(self.model)
-        topk = ACCEPTANCE_TOPK if self._sparsecorr_needs_acceptance else 0
+        topk = self.sparsecorr_config.acceptance_topk if self._sparsecorr_needs_acceptance else 0
         if topk and self._sparsecorr_topk is not None:
             raise ValueError("max_tool_calling_iterations: the acceptance rate (controller, "
                              "sparse_tail) needs one sampler call per generation batch, got a "
