@@ -1,20 +1,26 @@
-r"""``SparseGRPOTrainer``: TRL's ``GRPOTrainer`` with sparse rollouts and the loss replaced by
-``sparse_grpo``.
+r"""``SparseGRPOTrainer``: TRL's ``GRPOTrainer`` with sparse rollouts, the rollout correction in
+the generate-and-score step and the loss written with ``sparse_grpo``.
+
+With sparsecorr off (``SparseCorrConfig(correction=None)``, TRL's generation) it trains
+exactly as stock ``trl.GRPOTrainer`` 1.16 (``tests/integration/trl/test_parity.py``): the loss
+of every accepted ``loss_type`` is ``sparse_grpo`` with TRL's window counts
+(``sparsecorr_trl.loss``), TRL's metrics are computed beside it (``sparsecorr_trl.metrics``) and
+every ``GRPOConfig`` option is honoured or rejected (``sparsecorr_trl.options``).
 
 Rollouts: with ``SparseCorrConfig.policy`` set (and ``use_vllm=False``) the trainer samples
 with ``sparsecorr.decoding.generate`` under that KV policy and budget or schedule (the live
 schedule of a ``SparseCorrCallback`` when there is one) and records the sampler's log-prob of
-every token; without it, TRL generates (vLLM records the log-probs; transformers' generate does
-not, and then nothing needs correcting). Optional DistillSparse (``distill=True``): a LoRA
-adapter active only while sampling, updated after every policy backward pass
-(``sparsecorr_trl.distill``).
+every token (and its top-k when the acceptance is needed); without it, TRL generates (vLLM
+records the log-probs; transformers' generate does not, and then nothing needs correcting).
 
-The learner log-probs \(\log\pi_\theta\) come from TRL's own forward pass; the loss is
-``sparsecorr.losses.sparse_grpo(logp, old_logp, advantages, mask, rollout_logp=...,
-correction=...)`` with the aggregation matching TRL's ``loss_type``. When TRL's vLLM path
-records the sampler's log-probs (``sampling_per_token_logps``) they become ``rollout_logp``
-and TRL's built-in ``vllm_importance_sampling_correction`` is switched off, so the rollout
-mismatch is corrected exactly once (by the sparsecorr preset).
+Order: after TRL's generate-and-score step, ``sparsecorr_trl.score`` computes the correction of
+the whole generation batch from the dense ``old_logp`` (and the acceptance), re-derives the
+advantages without the rollouts it rejected whole and re-counts ``num_items_in_batch``; the
+correction's mask and weights travel with the batch to ``_compute_loss``. TRL's own
+``vllm_importance_sampling_correction`` is switched off when a correction is set, so the
+mismatch is corrected once. Optional DistillSparse (``distill=True``): a LoRA adapter active
+only while sampling, updated after every policy backward pass (``sparsecorr_trl.distill``).
+Checkpoints carry the sampler's state (``sparsecorr_trl.checkpoint``).
 
 Shapes:
     all per-token tensors are ``[B, T]`` over completion tokens; advantages ``[B]``.
@@ -67,8 +73,9 @@ class SparseGRPOTrainer(_trainer_base()):
             the ``sparse_rl`` preset).
 
     Raises:
-        ValueError: on an unsupported TRL version or a config that would skip the correction
-            (``use_liger_loss=True``, an unsupported ``loss_type``, sequence-level ratios).
+        ValueError: on an unsupported TRL version, a ``GRPOConfig`` value it cannot honour
+            exactly (``sparsecorr_trl.options.RULES``, naming the option), or an acceptance
+            reader (controller, ``sparse_tail``) with vLLM rollouts.
     """
 
     def __init__(self, *args: Any, sparsecorr_config: SparseCorrConfig | None = None,
@@ -153,7 +160,8 @@ class SparseGRPOTrainer(_trainer_base()):
             raise ValueError("images: sparsecorr's sampler is text-only, got image inputs")
         mode = "train" if self.model.training else "eval"
         model = self.accelerator.unwrap_model(self.model)
-        topk = self.sparsecorr_config.acceptance_topk if self._sparsecorr_needs_acceptance else 0
+        needs = self._sparsecorr_needs_acceptance or bool(self._callbacks())  # added later too
+        topk = self.sparsecorr_config.acceptance_topk if needs else 0
         if topk and self._sparsecorr_topk is not None:
             raise ValueError("max_tool_calling_iterations: the acceptance rate (controller, "
                              "sparse_tail) needs one sampler call per generation batch, got a "
