@@ -198,10 +198,16 @@ def truncate_logits(z: torch.Tensor, top_k: int | None, top_p: float | None) -> 
     """Set logits outside the top-k / top-p support to -inf (HF / vLLM order: k then p).
 
     ``z`` is already divided by the temperature. The most likely token is always kept.
+    ``top_k`` is None or an int >= 1, ``top_p`` None or a number in (0, 1] (checked on the
+    Python values only: no host synchronisation, this runs at every decode step).
 
     Shapes:
         z: ``[N, V]`` -> ``[N, V]`` (same dtype).
     """
+    check_int("top_k", top_k, low=1, allow_none=True)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p: expected a number in (0, 1] or None, got {top_p!r}")
     if top_k is not None and top_k < z.shape[-1]:
         kth = z.topk(top_k, dim=-1).values[:, -1:]
         z = z.masked_fill(z < kth, float("-inf"))

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .._checks import check_choice, check_probability
+from .._checks import check_choice, check_float_tensor, check_probability
 
 __all__ = ["MAX_EXHAUSTIVE", "RULES", "balanced_keep", "expected_kept_variance"]
 
@@ -40,8 +40,11 @@ def expected_kept_variance(p: torch.Tensor) -> torch.Tensor:
     """Expected empirical variance of Bernoulli rewards with success probabilities ``p``.
 
     Shapes:
-        p: ``[..., K]`` -> ``[...]``.
+        p: ``[..., K]`` (K >= 1, floating point) -> ``[...]`` (NaN where a ``p`` is NaN).
     """
+    check_float_tensor("p", p)
+    if p.dim() < 1 or p.shape[-1] < 1:
+        raise ValueError(f"p: expected [..., K] with K >= 1, got shape {tuple(p.shape)}")
     k = p.shape[-1]
     pbar = p.mean(-1)
     return pbar * (1 - pbar) - (p * (1 - p)).sum(-1) / (k * k)

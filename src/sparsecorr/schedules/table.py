@@ -151,7 +151,7 @@ class CalibrationTable:
         cells = json_field(data, "cells", where="", kind="dict")
         for b, entries in cells.items():
             if not (isinstance(b, str) and b.isdigit() and int(b) in table.sketches):
-                raise ValueError(f"cells.{b}: budget not listed in budgets {table.budgets}")
+                raise ValueError(f"cells.{b}: expected a budget listed in budgets {table.budgets}, got {b!r}")
             if not isinstance(entries, list):
                 raise ValueError(f"cells.{b}: expected a list of [bin, bucket, count], got {entries!r}")
             table.sketches[int(b)].counts.copy_(_cell_counts(b, entries, table.n_bins))
