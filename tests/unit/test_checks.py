@@ -53,7 +53,7 @@ def test_check_int_accepts_numpy_ints_bounds_and_none():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), True, "1", None])
 def test_check_number_refuses_non_finite(bad):
-    with pytest.raises(ValueError, match="^tau: expected a finite number"):
+    with pytest.raises(ValueError, match=r"^tau: expected a finite number"):
         check_number("tau", bad, low=0, high=1)
 
 
@@ -69,7 +69,7 @@ def test_check_levels():
     assert check_levels("q", 0.05) == [0.05]
     assert check_levels("q", torch.tensor([0.0, 1.0])) == [0.0, 1.0]
     for bad in (1.5, -0.1, math.nan, [], [0.5, 2.0], "0.5", None):
-        with pytest.raises(ValueError, match="^q: expected"):
+        with pytest.raises(ValueError, match=r"^q: expected"):
             check_levels("q", bad)
 
 
@@ -84,7 +84,7 @@ def test_check_int_tensor():
     check_int_tensor("offset", torch.tensor([0, 3]), shape=(2,), nonnegative=True)
     with pytest.raises(ValueError, match="offset: expected values >= 0, got a minimum of -5"):
         check_int_tensor("offset", torch.tensor([-5, 0]), nonnegative=True)
-    with pytest.raises(ValueError, match="offset: expected an integer dtype, got torch.float32"):
+    with pytest.raises(ValueError, match=r"offset: expected an integer dtype, got torch.float32"):
         check_int_tensor("offset", torch.zeros(2))
     with pytest.raises(ValueError, match=r"offset: expected shape \(3,\), got \(2,\)"):
         check_int_tensor("offset", torch.zeros(2, dtype=torch.long), shape=(3,))
