@@ -73,3 +73,25 @@ def test_writable_checks(tmp_path):
     with pytest.raises(ValueError, match=r"out: the parent .* is a file"):
         check_writable_file("out", a_file / "s.json")
     assert not [p for p in tmp_path.rglob(".write-check*")]
+
+
+def test_calibration_plot_is_written_atomically(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import torch
+
+    from sparsecorr.commands.schedule_cmds import plot_table
+    from sparsecorr.schedules import CalibrationTable
+
+    table = CalibrationTable(budgets=[8], bin_size=10, n_bins=2)
+    table.add(8, torch.full((1, 20), 0.9), torch.ones(1, 20, dtype=torch.bool))
+    path = plot_table(table, tau=0.86, path=tmp_path / "calibration.png")
+    first = path.read_bytes()
+    assert first[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def crash(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        plot_table(table, tau=0.5, path=path)
+    assert path.read_bytes() == first and sorted(p.name for p in tmp_path.iterdir()) == ["calibration.png"]

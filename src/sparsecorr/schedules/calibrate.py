@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -39,6 +39,9 @@ from ..mismatch import acceptance_rate_topk
 from .table import CalibrationTable
 from .table import _check_size as check_table_size
 
+if TYPE_CHECKING:  # decoding is imported lazily at call time
+    from ..decoding import KVPolicy
+
 __all__ = ["CalibrationPlan", "calibrate", "plan_calibration"]
 
 #: settings recorded in ``meta`` that a resumed run must share with the file
@@ -46,7 +49,7 @@ RESUME_SETTINGS = ("policy", "sample_with", "max_new_tokens", "samples_per_promp
                    "logprobs_topk", "seed", "prompts")
 
 
-def calibrate(model, prompts: torch.Tensor, *, policy, budgets: list[int], bin_size: int = 2000,
+def calibrate(model: torch.nn.Module, prompts: torch.Tensor, *, policy: KVPolicy, budgets: list[int], bin_size: int = 2000,
               n_bins: int = 20, q: float = 0.05, max_new_tokens: int, samples_per_prompt: int = 1,
               sample_with: str = "sparse", attention_mask: torch.Tensor | None = None,
               temperature: float = 1.0, logprobs_topk: int = 20, seed: int = 0,
@@ -120,7 +123,7 @@ class CalibrationPlan:
     todo: list[int]
 
 
-def plan_calibration(prompts: torch.Tensor, *, policy, budgets: list[int], bin_size: int = 2000,
+def plan_calibration(prompts: torch.Tensor, *, policy: KVPolicy, budgets: list[int], bin_size: int = 2000,
                      n_bins: int = 20, q: float = 0.05, max_new_tokens: int,
                      samples_per_prompt: int = 1, sample_with: str = "sparse",
                      attention_mask: torch.Tensor | None = None, temperature: float = 1.0,
