@@ -91,12 +91,12 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """:func:`atomic_write_bytes` of UTF-8 text."""
+    """`atomic_write_bytes` of UTF-8 text."""
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int = 2) -> Path:
-    """:func:`atomic_write_text` of ``obj`` as JSON."""
+    """`atomic_write_text` of ``obj`` as JSON."""
     return atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")
 
 

@@ -106,7 +106,7 @@ class QualityHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> tuple[QualityHead, dict]:
-        """Load a head written by :meth:`save`; returns ``(head, extra)``.
+        """Load a head written by `save`; returns ``(head, extra)``.
 
         Every failure (missing, truncated or foreign file, a hand-edited config, weights of the
         wrong shape or non-finite) is a ``ValueError`` naming the file and the field.
