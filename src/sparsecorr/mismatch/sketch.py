@@ -93,10 +93,13 @@ class QuantileSketch:
         device: where the counts live.
 
     Example:
+        >>> import torch
         >>> s = QuantileSketch(0.0, 1.0)
-        >>> s.update(acceptance, mask)           # any number of times
-        >>> s.all_reduce(group)                  # optional: combine ranks
-        >>> s.quantile(0.05)
+        >>> acceptance = torch.linspace(0.0, 1.0, 101)[None]
+        >>> _ = s.update(acceptance, acceptance > 0.5)   # any number of times
+        >>> _ = s.all_reduce(None)                       # a process group combines ranks
+        >>> round(float(s.quantile(0.5)), 3)  # the values 0.51 ... 1.0: median 0.755
+        0.755
     """
 
     def __init__(
