@@ -37,7 +37,7 @@ from .._checks import check_choice, check_int, check_int_tensor, check_number, c
 from .._io import check_writable_dir
 from ..mismatch import acceptance_rate_topk
 from .table import CalibrationTable
-from .table import _check_size as check_table_size
+from .table import check_table_size
 
 if TYPE_CHECKING:  # decoding is imported lazily at call time
     from ..decoding import KVPolicy
