@@ -28,7 +28,7 @@ ALLOWED = {
 def _imports(path: Path) -> list[tuple[str, list[str]]]:
     """``(absolute sparsecorr module, imported names)`` for every import of the file."""
     rel = path.relative_to(SRC.parent).with_suffix("").parts
-    package = list(rel[:-1]) if rel[-1] != "__init__" else list(rel[:-1])
+    package = list(rel[:-1])  # a module and an __init__ both live in their directory
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
