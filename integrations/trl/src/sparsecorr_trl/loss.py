@@ -211,10 +211,8 @@ def trl_loss(spec: LossSpec, logp: torch.Tensor, old_logp: torch.Tensor, advanta
     adv = advantages.float()
     if factor is not None:
         adv = (adv[:, None] if adv.dim() == 1 else adv) * factor.float()
-    # GSPO's bias-corrected KL multiplies by the sequence ratio (TRL); sparse_grpo's KLPenalty
-    # uses the token ratio, so that one case is added here
-    own_kl = spec.beta != 0.0 and spec.bias_correction_kl and spec.ratio_level == "sequence"
-    kl = 0.0 if (spec.beta == 0.0 or own_kl) else KLPenalty(spec.beta, spec.bias_correction_kl)
+    # KLPenalty's bias correction uses the surrogate's ratio: GSPO's sequence ratio, as TRL
+    kl = 0.0 if spec.beta == 0.0 else KLPenalty(spec.beta, spec.bias_correction_kl)
     out = sparse_grpo(logp, old_logp, adv, mask, mismatch=mismatch, correction=correction,
                       surrogate=spec.surrogate(), aggregation=agg,
                       ref_logp=ref_logp if spec.beta != 0.0 else None, kl=kl)
@@ -224,8 +222,6 @@ def trl_loss(spec: LossSpec, logp: torch.Tensor, old_logp: torch.Tensor, advanta
     if spec.beta != 0.0:
         k3 = _k3(logp, ref_logp, kept)
         term = k3 * ratio if spec.bias_correction_kl else k3
-        if own_kl:
-            loss = loss + spec.beta * (torch.where(kept, term, 0.0).sum(-1) * agg.row_scales(kept)).sum()
         per_token_kl = torch.where(kept, term.detach(), 0.0)
     shown = ratio.detach()
     if spec.delta is not None and spec.ppo:  # TRL's metrics read the delta-clamped ratio
