@@ -47,6 +47,9 @@ OPTIONS = {
                          "entropy_coef_delta": 0.02, "entropy_coef_min": 0.01,
                          "entropy_coef_max": 0.07},
     "sequence_ratio": {**MOVING, "importance_sampling_level": "sequence"},
+    # GSPO's bias-corrected KL multiplies k3 by the sequence ratio (KLPenalty reads it from GSPO)
+    "sequence_ratio_beta_bias": {**MOVING, "importance_sampling_level": "sequence", "beta": 0.5,
+                                 "use_bias_correction_kl": True},
 }
 
 #: options of TRL's reward and reference-model code (sparsecorr leaves them to TRL), one cell each
@@ -76,7 +79,8 @@ def test_loss_types_by_schedule(tmp_path, loss_type, schedule):
 
 
 #: (loss type, option) pairs TRL runs that SparseGRPOTrainer rejects (sparsecorr_trl.options)
-REJECTED = {("cispo", "sequence_ratio"), ("sapo", "sequence_ratio")}
+REJECTED = {(loss, option) for loss in ("cispo", "sapo")
+            for option in ("sequence_ratio", "sequence_ratio_beta_bias")}
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
