@@ -1,15 +1,17 @@
 """FlashInfer decode backend (GPU). Imported lazily: never at ``import sparsecorr``.
 
 The kept set of every (sequence, KV head) is expressed as a page table
-(:mod:`sparsecorr.decoding.backends.paging`): page size 1 for token-level eviction policies,
-16 for BlockTopK. One :meth:`FlashInferDecode.plan` per decode step is shared by every layer
-(the kept sets of all layers have the same lengths after a compression event), and
-``use_tensor_cores`` is switched on for GQA group sizes FlashInfer's CUDA-core decode kernels do
+(:mod:`sparsecorr.decoding.backends.paging`) over the engine's KV pool, whose per-layer
+``[B, H_kv, C, D]`` buffer is a FlashInfer NHD page pool with one KV head per request.
+``generate(..., backend="flashinfer")`` wraps :class:`FlashInferDecode` in
+[`PagedBackend`][sparsecorr.decoding.backends.paged.PagedBackend]: one ``plan`` per decode step
+shared by all layers, per-layer page ids written into the planned table (BlockTopK), and
+``use_tensor_cores`` switched on for GQA group sizes FlashInfer's CUDA-core decode kernels do
 not specialise (e.g. 7), as FlashInfer recommends.
 
-Status: the page-table construction, availability checks and error messages are tested on CPU;
-the kernel wrapper below needs a CUDA GPU and the ``flashinfer-python`` package and is
-exercised by ``tests/gpu/`` (marker ``gpu``) on such a machine only.
+Status: the page tables, the plan/run protocol and the engine's use of them are tested on CPU
+with the float32 paged oracle standing in for the kernel; the kernel itself needs a CUDA GPU
+and the ``flashinfer-python`` package and is exercised by ``tests/gpu/`` (marker ``gpu``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "INSTALL_HINT",
     "BackendUnavailableError",
     "FlashInferDecode",
+    "flashinfer_backend",
     "flashinfer_status",
     "needs_tensor_cores",
     "require_flashinfer",
@@ -124,3 +127,13 @@ class FlashInferDecode:
         kv = (k_pool.unsqueeze(2), v_pool.unsqueeze(2))  # NHD pages: [P, page_size, 1, D]
         out, lse2 = self._wrapper.run(q, kv, return_lse=True)
         return out, lse2.float() * math.log(2.0)
+
+
+def flashinfer_backend():
+    """The ``backend="flashinfer"`` decoding backend: FlashInfer paged decode kernels for
+    single-token steps, SDPA for prefill and teacher-forced chunks. Raises
+    :class:`BackendUnavailableError` saying what is missing."""
+    from .paged import PagedBackend
+
+    require_flashinfer()
+    return PagedBackend(FlashInferDecode, name="flashinfer")
