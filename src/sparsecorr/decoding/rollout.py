@@ -81,7 +81,9 @@ class RolloutBatch:
         """Write ``path``: one safetensors file (tensors + JSON metadata), atomically."""
         path = Path(path)
         tensors = {k: getattr(self, k).detach().contiguous().cpu() for k in _TENSORS}
-        info = {"format": FORMAT, "finish_reason": json.dumps(list(self.finish_reason)),
+        b, t = self.tokens.shape
+        dims = {"B": b, "T": t, "k": self.topk_ids.shape[-1]}
+        info = {"format": FORMAT, "dims": json.dumps(dims), "finish_reason": json.dumps(list(self.finish_reason)),
                 "peak_kv_bytes": str(int(self.peak_kv_bytes)), "meta": json.dumps(self.meta)}
         atomic_write_bytes(path, st_save(tensors, metadata=info))
         return path
@@ -100,7 +102,7 @@ class RolloutBatch:
             raise ValueError(f"path: {path} is not a complete safetensors file (truncated or not written "
                              f"by RolloutBatch.save): {exc}") from None
         info = _info(path, header)
-        _check_tensors(path, tensors)
+        _check_tensors(path, tensors, info.pop("dims"))
         batch = cls(**{k: tensors[k] for k in _TENSORS}, **info)
         _check_consistent(path, batch)
         return batch
@@ -115,7 +117,7 @@ def _info(path: Path, header: dict) -> dict:
     """finish_reason / peak_kv_bytes / meta from the header (or the legacy ``.json`` sidecar)."""
     if header.get("format") == FORMAT:
         try:
-            info = {"finish_reason": json.loads(header["finish_reason"]),
+            info = {"finish_reason": json.loads(header["finish_reason"]), "dims": json.loads(header["dims"]),
                     "peak_kv_bytes": json.loads(header["peak_kv_bytes"]), "meta": json.loads(header["meta"])}
         except (KeyError, json.JSONDecodeError) as exc:
             raise ValueError(f"path: {path} has unreadable RolloutBatch metadata ({exc!r})") from None
@@ -140,19 +142,25 @@ def _info(path: Path, header: dict) -> dict:
         raise ValueError(f"path: {path}: peak_kv_bytes must be an int >= 0, got {pk!r}")
     if not isinstance(info["meta"], dict):
         raise ValueError(f"path: {path}: meta must be a JSON object, got {type(info['meta']).__name__}")
-    return {"finish_reason": tuple(info["finish_reason"]), "peak_kv_bytes": pk, "meta": info["meta"]}
+    dims = info.get("dims")
+    if dims is not None and (not isinstance(dims, dict) or set(dims) != {"B", "T", "k"}
+                             or not all(isinstance(v, int) and v >= 0 for v in dims.values())):
+        raise ValueError(f"path: {path}: dims must be {{'B', 'T', 'k'}} ints >= 0, got {dims!r}")
+    return {"finish_reason": tuple(info["finish_reason"]), "peak_kv_bytes": pk, "meta": info["meta"], "dims": dims}
 
 
-def _check_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _check_tensors(path: Path, tensors: dict[str, torch.Tensor], dims: dict | None) -> None:
+    """Names, dtypes and shapes against the header's ``dims`` (legacy files: the tokens' shape)."""
     for k in _TENSORS:
         if k not in tensors:
             raise ValueError(f"path: {path} has no tensor {k!r}")
     extra = sorted(set(tensors) - set(_TENSORS))
     if extra:
         raise ValueError(f"path: {path} has unexpected tensors {extra}")
-    dims = {"B": tensors["tokens"].shape[0] if tensors["tokens"].dim() == 2 else -1,
-            "T": tensors["tokens"].shape[1] if tensors["tokens"].dim() == 2 else -1,
-            "k": tensors["topk_ids"].shape[-1] if tensors["topk_ids"].dim() == 3 else -1}
+    if dims is None:
+        dims = {"B": tensors["tokens"].shape[0] if tensors["tokens"].dim() == 2 else -1,
+                "T": tensors["tokens"].shape[1] if tensors["tokens"].dim() == 2 else -1,
+                "k": tensors["topk_ids"].shape[-1] if tensors["topk_ids"].dim() == 3 else -1}
     for k, (dtype, spec) in _SPEC.items():
         t = tensors[k]
         if t.dtype != dtype:
