@@ -46,7 +46,7 @@ class Engine:
     """
 
     def __init__(self, model, *, policy: KVPolicy, backend: AttentionBackend, table: torch.Tensor,
-                 batch: int, capacity: int, grad: bool) -> None:
+                 batch: int, capacity: int, grad: bool, cuda_graph: bool = False) -> None:
         cfg = model.config
         self.model, self.policy, self.table = model, policy, table
         self.n_layers = cfg.num_hidden_layers
@@ -66,6 +66,20 @@ class Engine:
         self.count = torch.zeros(batch, dtype=torch.long)  # valid slots per row (host)
         self.ctx = torch.zeros(batch, dtype=torch.long)  # tokens fed per row (host)
         self.peak_slots = 0  # max over forwards of rows x slots read
+        self.keep_cap = self._keep_cap() if selects else 0
+        self.graphs = None
+        if cuda_graph:
+            from .graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
+
+    def _keep_cap(self) -> int:
+        """Most pages a sparse layer keeps in this run (a static size for CUDA graphs)."""
+        ppr, pol = self.pool.pages_per_row, self.policy
+        if bool((self.table[1:] < 0).any()):
+            return ppr
+        want = max(int(self.table[1:].max()) // pol.page_size, pol.keep_first_pages + pol.keep_last_pages)
+        return min(ppr, want)
 
     # -- host-side plans -----------------------------------------------------------------
     def budget_at(self, ctx: torch.Tensor) -> torch.Tensor:
@@ -103,9 +117,18 @@ class Engine:
                 keep = keep_counts(self.policy, slots=qslots, budgets=budgets)
                 st.select, st.keep_max = True, int(keep.max())
                 st.query_slots, st.budgets = qslots.to(dev), budgets.to(dev)
-                self._keep = keep[:, 0]
         st.paged = bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
         return st
+
+    def _begin_paged_step(self) -> None:
+        """Plan a paged single-token step (one plan per step, shared by every layer)."""
+        keep = None
+        if self.policy.kind == "selection":
+            keep = keep_counts(self.policy, slots=self.count, budgets=self.budget_at(self.ctx + 1))
+        self.cache.backend.begin_step(
+            lengths=self.count + 1, keep=keep, heads=self.heads_kv, group=self.heads_q // self.heads_kv,
+            head_dim=self.head_dim, pages_per_row=self.pool.pages_per_row, page_size=self.pool.page_size,
+            dtype=self.dtype, scale=self.head_dim ** -0.5, device=self.device)
 
     # -- device work ---------------------------------------------------------------------------
     def feed(self, ids: torch.Tensor, real: torch.Tensor, *, decode: bool, logits_to_keep,
@@ -115,17 +138,17 @@ class Engine:
         Shapes:
             ids ``[B, Q]`` (device); real ``[B]`` (CPU) real tokens per row (a prefix).
         """
-        st = self._step(ids.shape[1], real, decode)
-        if st.paged:
-            self.cache.backend.begin_step(
-                lengths=self.count + 1, keep=self._keep if st.select else None, heads=self.heads_kv,
-                group=self.heads_q // self.heads_kv, head_dim=self.head_dim,
-                pages_per_row=self.pool.pages_per_row, page_size=self.pool.page_size, dtype=self.dtype,
-                scale=self.head_dim ** -0.5, device=self.device)
-        self.cache.step = st
-        out = self.model(input_ids=ids, position_ids=st.positions, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden)
-        self.peak_slots = max(self.peak_slots, ids.shape[0] * st.kv_len)
+        out = None
+        if self.graphs is not None and self.graphs.status == "on" and decode and ids.shape[1] == 1 and not hidden:
+            out = self.graphs.run(ids)  # None if the capture failed: eager below
+        if out is None:
+            st = self._step(ids.shape[1], real, decode)
+            if st.paged:
+                self._begin_paged_step()
+            self.cache.step = st
+            out = self.model(input_ids=ids, position_ids=st.positions, past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden)
+        self.peak_slots = max(self.peak_slots, ids.shape[0] * int((self.count + real).max()))
         self.count += real
         self.ctx += real
         return out

@@ -84,7 +84,7 @@ def _sync(device: torch.device) -> None:
 
 def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, progress, prefill_chunk,
          eos_token_id=None, pruner=None, group_size=None, forced=None, forced_len=None, chunk_size=None,
-         grad=False) -> RolloutBatch:
+         grad=False, cuda_graph=False) -> RolloutBatch:
     """Decode (or replay ``forced``) the non-empty rows; empty prompts get blank rows."""
     device = next(model.parameters()).device
     b_all, t_max = ids.shape[0], max_new_tokens
@@ -99,7 +99,8 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     table = budget_table(budget, dense=policy.kind == "dense", longest=longest)
     chunk = prefill_chunk or int(lens.max())
     engine = Engine(model, policy=policy, backend=back, table=table, batch=live.numel(),
-                    capacity=pool_capacity(policy, table, longest=longest, chunk=chunk), grad=grad)
+                    capacity=pool_capacity(policy, table, longest=longest, chunk=chunk), grad=grad,
+                    cuda_graph=cuda_graph)
     bar = tqdm(total=t_max, disable=not progress, desc=f"decode {policy.name}")
     with _sparse_attention(model), active_cache(engine.cache), torch.set_grad_enabled(grad):
         t0 = time.perf_counter()
@@ -127,7 +128,8 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     out["prompt_lengths"] = out["prompt_lengths"].index_put((live,), lens)
     out["peak_kv_bytes"] = engine.peak_slots * engine.pool.slot_bytes()
     return RolloutBatch(**out, meta=_meta(model, policy, **base, prefill_s=t1 - t0, decode_s=t2 - t1,
-                                          kv_pool_bytes=engine.pool.allocated_bytes()))
+                                          kv_pool_bytes=engine.pool.allocated_bytes(),
+                                          cuda_graph=engine.graphs.status if engine.graphs else "off"))
 
 
 def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -136,7 +138,7 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
              logprobs_topk: int = 20, eos_token_id: int | list[int] | None = None,
              backend: str = "auto", generator: torch.Generator | None = None, progress: bool = False,
              pruner: Any | None = None, group_size: int | None = None,
-             prefill_chunk: int | None = 512) -> RolloutBatch:
+             prefill_chunk: int | None = 512, cuda_graph: bool = False) -> RolloutBatch:
     """Sample responses with a sparse KV policy and record the sampler's log-probs.
 
     Args:
@@ -163,6 +165,9 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
             Eviction policies compress between chunks, so their cache never exceeds
             ``budget + buffer + prefill_chunk`` slots; with one chunk the prompt is compressed
             once, after it is read.
+        cuda_graph: replay each single-token decode step as a CUDA graph (CUDA only, no pruner;
+            see [`sparsecorr.decoding.graphs`][sparsecorr.decoding.graphs]). Falls back to eager
+            steps, with a warning, if capture fails; ``meta["cuda_graph"]`` records which ran.
 
     Returns:
         A [`RolloutBatch`][sparsecorr.decoding.RolloutBatch]. ``B = 0`` gives an empty batch;
@@ -182,13 +187,18 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
         if not 1 <= pruner.window <= pruner.detect_len:
             raise ValueError(f"pruner.window: expected 1 <= window <= detect_len ({pruner.detect_len}), "
                              f"got {pruner.window!r}")
+    if cuda_graph not in (True, False):
+        raise ValueError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
+    if cuda_graph and (next(model.parameters()).device.type != "cuda" or pruner is not None):
+        raise ValueError("cuda_graph: needs the model on a CUDA device and no pruner (the pruner reads "
+                         "hidden states the captured step does not return)")
     ids, lens = _prompts(model, input_ids, attention_mask)
     if pruner is not None and bool((lens == 0).any()):
         raise ValueError("attention_mask: every row needs a prompt token when a pruner keeps groups")
     samp = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, k=logprobs_topk, generator=generator)
     return _run(model, ids, lens, policy=policy, budget=budget, max_new_tokens=max_new_tokens, samp=samp,
                 backend=backend, progress=progress, prefill_chunk=prefill_chunk,
-                eos_token_id=eos_token_id, pruner=pruner, group_size=group_size)
+                eos_token_id=eos_token_id, pruner=pruner, group_size=group_size, cuda_graph=cuda_graph)
 
 
 def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, response_ids: torch.Tensor, *,

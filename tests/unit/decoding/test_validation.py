@@ -53,6 +53,8 @@ GENERATE_CASES = [
     ("attention_mask", dict(attention_mask=torch.full((2, 4), 2))),
     ("attention_mask", dict(attention_mask=torch.ones(2, 4, dtype=torch.float32))),
     ("group_size", dict(pruner=object())),
+    ("cuda_graph", dict(cuda_graph=True)),  # the model is on the CPU
+    ("cuda_graph", dict(cuda_graph="yes")),
 ]
 
 

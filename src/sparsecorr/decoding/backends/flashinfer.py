@@ -80,6 +80,8 @@ class FlashInferDecode:
         head_dim: head dimension (64 or 128).
         workspace_bytes: FlashInfer's float workspace (128 MiB default, as its examples).
         use_tensor_cores: force the tensor-core kernel; default: :func:`needs_tensor_cores`.
+        graph_buffers: ``(indptr [R + 1], indices [>= nnz], last_page_len [R])`` int32 device
+            buffers for CUDA-graph mode (fixed R; ``plan`` copies each table into them).
 
     Shapes:
         run(q ``[R, G, D]``, k_pool/v_pool ``[P, page_size, D]``) -> out ``[R, G, D]``,
@@ -94,14 +96,19 @@ class FlashInferDecode:
         head_dim: int,
         workspace_bytes: int = 128 * 1024 * 1024,
         use_tensor_cores: bool | None = None,
+        graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         flashinfer = require_flashinfer()
         self.device = torch.device(device)
         self.group_size, self.head_dim = group_size, head_dim
         tc = needs_tensor_cores(group_size) if use_tensor_cores is None else use_tensor_cores
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        graph = {}
+        if graph_buffers is not None:  # fixed indptr / indices / last_page_len: CUDA-graph mode
+            graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=graph_buffers[0],
+                         paged_kv_indices_buffer=graph_buffers[1], paged_kv_last_page_len_buffer=graph_buffers[2])
         self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=tc
+            workspace, "NHD", use_tensor_cores=tc, **graph
         )
         self.use_tensor_cores = tc
 

@@ -68,9 +68,23 @@ class PagedBackend:
         self._sparse: DecodeKernel | None = None
         self._buffer: torch.Tensor | None = None
         self._indptr: torch.Tensor | None = None
+        self._graph = False
 
     def attend(self, query, key, value, allowed, *, scaling):
         return self._chunks.attend(query, key, value, allowed, scaling=scaling)
+
+    def enable_graph(self, *, batch: int, heads: int, pages_per_row: int, keep_cap: int, group: int,
+                     head_dim: int, device: torch.device) -> None:
+        """Kernels with fixed table buffers for ``batch`` rows (CUDA graphs): ``plan`` copies each
+        step's table into them, and a captured step reads them at fixed addresses."""
+        r = batch * heads
+        i32 = dict(dtype=torch.int32, device=device)
+        self._graph = True
+        self._dense = self._factory(device=device, group_size=group, head_dim=head_dim, graph_buffers=(
+            torch.zeros(r + 1, **i32), torch.zeros(r * pages_per_row, **i32), torch.zeros(r, **i32)))
+        self._indptr, self._buffer = torch.zeros(r + 1, **i32), torch.zeros(r * keep_cap + 1, **i32)
+        self._sparse = self._factory(device=device, group_size=group, head_dim=head_dim,
+                                     graph_buffers=(self._indptr, self._buffer, torch.zeros(r, **i32)))
 
     def begin_step(self, *, lengths: torch.Tensor, keep: torch.Tensor | None, heads: int,
                    group: int, head_dim: int, pages_per_row: int, page_size: int,
@@ -94,8 +108,9 @@ class PagedBackend:
         indptr = torch.zeros(counts.numel() + 1, dtype=torch.int32)
         indptr[1:] = counts.cumsum(0).to(torch.int32)
         nnz = int(indptr[-1])
-        self._buffer = torch.zeros(nnz + 1, dtype=torch.int32, device=device)
-        self._indptr = indptr.to(device)
+        if not self._graph:  # fresh buffers (graph mode: the fixed ones, refilled by plan)
+            self._buffer = torch.zeros(nnz + 1, dtype=torch.int32, device=device)
+            self._indptr = indptr.to(device)
         self._sparse.plan(PageTable(indptr=indptr, indices=self._buffer[:nnz],
                                     last_page_len=table.last_page_len, page_size=page_size),
                           dtype=dtype, scale=scale)
