@@ -42,7 +42,7 @@ def _decode(model, ids, policy, budget, *, graphs: bool, steps=20, eos=None):
 def test_static_step_equals_the_eager_step(policy):
     model = tiny_model("qwen3", num_layers=3)
     ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(0))
-    for eos in (None, [7, 9, 11]):  # with EOS, rows leave the batch: a new capture per size
+    for eos in (None, [11, 63]):  # with EOS, rows leave the batch: a new capture per size
         ref, _ = _decode(model, ids, policy, 8, graphs=False, eos=eos)
         got, engine = _decode(model, ids, policy, 8, graphs=True, eos=eos)
         assert engine.graphs.status == "on" and engine.graphs.captured
