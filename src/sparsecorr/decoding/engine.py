@@ -96,17 +96,21 @@ class Engine:
         first = torch.where(due.any(1), due.float().argmax(1) + 1, cap)
         return int(first.min())
 
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        """Host bookkeeping to the device without a stream sync (the host copy is staged first)."""
+        return t.to(self.device, non_blocking=True)
+
     def _step(self, q_len: int, real: torch.Tensor, decode: bool) -> Step:
         dev = self.device
         i = torch.arange(q_len)
         slots = torch.where(i < real[:, None], self.count[:, None] + i, self.pool.scratch)
         kv_len = int((self.count + real).max())
-        counts = self.count.to(dev)
+        counts = self._dev(self.count)
         uniform = q_len == 1 and bool((self.count + 1 == kv_len).all())
         mask = None if uniform else (torch.arange(kv_len, device=dev)
                                      <= (counts[:, None] + torch.arange(q_len, device=dev))[:, :, None])[:, None]
-        st = Step(q_len=q_len, kv_len=kv_len, slots=slots.to(dev), positions=(self.ctx[:, None] + i).to(dev),
-                  real=real.to(dev), mask=mask, counts=counts)
+        st = Step(q_len=q_len, kv_len=kv_len, slots=self._dev(slots), positions=self._dev(self.ctx[:, None] + i),
+                  real=self._dev(real), mask=mask, counts=counts)
         if self.policy.kind == "selection":
             ps = self.pool.page_size
             single = q_len == 1 and decode
@@ -116,7 +120,7 @@ class Engine:
                 budgets = self.budget_at(self.ctx[:, None] + i + 1)
                 keep = keep_counts(self.policy, slots=qslots, budgets=budgets)
                 st.select, st.keep_max = True, int(keep.max())
-                st.query_slots, st.budgets = qslots.to(dev), budgets.to(dev)
+                st.query_slots, st.budgets = self._dev(qslots), self._dev(budgets)
         st.paged = bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
         return st
 

@@ -125,7 +125,7 @@ def decode_loop(engine: Engine, logits: torch.Tensor, *, prompt_len: torch.Tenso
     hidden = None if pruner is None else torch.zeros(b, pruner.window, engine.model.config.hidden_size, device=dev)
     active = torch.arange(b)
     for t in range(steps):
-        rows = active.to(dev)
+        rows = active.to(dev, non_blocking=True)
         tok, lp, top = sample(logits, samp)
         rec.tok[rows, t], rec.logp[rows, t] = tok, lp
         if top is not None:

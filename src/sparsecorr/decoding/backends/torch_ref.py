@@ -14,8 +14,9 @@ class TorchBackend:
 
     A single-token step folds the GQA group into the query axis (``[B, H_kv, G, D]`` against the
     ``[B, H_kv, S, D]`` cache), so K/V are never repeated per query head; longer chunks use
-    ``enable_gqa``. A query with no allowed slot never occurs: the engine always lets a query
-    read its own slot.
+    ``enable_gqa`` on CPU and, on CUDA, repeat one layer's K/V per query head when a mask is
+    needed (the fused kernels that take a mask do not take GQA). A query with no allowed slot
+    never occurs: the engine always lets a query read its own slot.
     """
 
     name = "torch"
@@ -31,6 +32,11 @@ class TorchBackend:
             return out.reshape(b, hq, 1, d)
         if allowed is not None and allowed.shape[1] not in (1, hq):
             allowed = allowed.repeat_interleave(g, dim=1)  # per-KV-head mask -> per query head
+        if g > 1 and allowed is not None and query.is_cuda:
+            # CUDA's fused kernels that take a mask do not take GQA: repeat K/V for this layer
+            # (transient) rather than fall back to the math kernel's [B, H, Q, S] scores
+            key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+            g = 1
         return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling,
                                               enable_gqa=g > 1)
 
