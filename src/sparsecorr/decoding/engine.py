@@ -18,12 +18,17 @@ schedule called per step.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .backends import AttentionBackend
 from .cache import SparseKVCache, Step
 from .policies import KVPolicy, keep_counts
 from .pool import KVPool
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["Engine", "pool_capacity"]
 
@@ -41,11 +46,16 @@ class Engine:
 
     Args:
         model: the Hugging Face causal LM (its attention routed to ``"sparsecorr"``).
+        policy: the KV policy.
+        backend: the attention backend.
         table: budget by context length (``table[c]``, -1 = dense), CPU long.
-        capacity: slots per row to allocate (see :func:`pool_capacity`).
+        batch: rows.
+        capacity: slots per row to allocate (see `pool_capacity`).
+        grad: autograd on (every pool update out of place).
+        cuda_graph: replay single-token decode steps as CUDA graphs.
     """
 
-    def __init__(self, model, *, policy: KVPolicy, backend: AttentionBackend, table: torch.Tensor,
+    def __init__(self, model: PreTrainedModel, *, policy: KVPolicy, backend: AttentionBackend, table: torch.Tensor,
                  batch: int, capacity: int, grad: bool, cuda_graph: bool = False) -> None:
         cfg = model.config
         self.model, self.policy, self.table = model, policy, table

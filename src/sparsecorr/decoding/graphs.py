@@ -68,7 +68,7 @@ class _Captured:
 
 
 class DecodeGraphs:
-    """One captured decode forward per batch size, for an :class:`~sparsecorr.decoding.engine.Engine`."""
+    """One captured decode forward per batch size, for an `sparsecorr.decoding.engine.Engine`."""
 
     def __init__(self, engine, *, runner=None) -> None:
         self.engine = engine

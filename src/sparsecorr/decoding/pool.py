@@ -7,7 +7,7 @@ that padding tokens of a ragged chunk are written to. Row ``b``'s valid tokens a
 slots ``[0, count_b)``; a decode step writes each row's token at its own ``count_b`` (an indexed
 write, no ``torch.cat``), and a compression event gathers the kept slots to the front. Seen as
 ``[B · H_kv · (C / page + 1), page, D]`` each buffer is directly a paged-KV pool for a paged
-kernel (:mod:`sparsecorr.decoding.backends.paged`).
+kernel (`sparsecorr.decoding.backends.paged`).
 
 Eviction policies also keep each slot's true position (``[B, H_kv, C + page]``: after eviction
 the heads keep different tokens) and the last ``window`` queries of every layer (a copy, so no

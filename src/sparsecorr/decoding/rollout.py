@@ -90,7 +90,7 @@ class RolloutBatch:
 
     @classmethod
     def load(cls, path: str | Path) -> RolloutBatch:
-        """Read a batch written by :meth:`save`; every field is checked (``ValueError`` naming
+        """Read a batch written by `save`; every field is checked (``ValueError`` naming
         the path and the problem)."""
         path = Path(path)
         if not path.is_file():

@@ -7,7 +7,7 @@ The engine owns the cache, the policies and sampling; a backend only computes
 for each query head over the KV slots it may attend to (GQA: query head ``h`` reads KV head
 ``h // G``). ``torch`` runs it with ``scaled_dot_product_attention`` in the model's dtype (CPU
 and CUDA), ``reference`` in float32 with explicit einsums (the oracle), and the FlashInfer
-backend (GPU) runs decode steps through paged kernels (:mod:`.paged`).
+backend (GPU) runs decode steps through paged kernels (`.paged`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """FlashInfer decode backend (GPU). Imported lazily: never at ``import sparsecorr``.
 
 The kept set of every (sequence, KV head) is expressed as a page table
-(:mod:`sparsecorr.decoding.backends.paging`) over the engine's KV pool, whose per-layer
+(`sparsecorr.decoding.backends.paging`) over the engine's KV pool, whose per-layer
 ``[B, H_kv, C, D]`` buffer is a FlashInfer NHD page pool with one KV head per request.
-``generate(..., backend="flashinfer")`` wraps :class:`FlashInferDecode` in
+``generate(..., backend="flashinfer")`` wraps `FlashInferDecode` in
 [`PagedBackend`][sparsecorr.decoding.backends.paged.PagedBackend]: one ``plan`` per decode step
 shared by all layers, per-layer page ids written into the planned table (BlockTopK), and
 ``use_tensor_cores`` switched on for GQA group sizes FlashInfer's CUDA-core decode kernels do
@@ -59,7 +59,7 @@ def flashinfer_status() -> tuple[bool, str]:
 
 
 def require_flashinfer() -> ModuleType:
-    """Import and return ``flashinfer``, or raise :class:`BackendUnavailableError` saying why."""
+    """Import and return ``flashinfer``, or raise `BackendUnavailableError` saying why."""
     ok, reason = flashinfer_status()
     if not ok:
         raise BackendUnavailableError(reason)
@@ -79,7 +79,7 @@ class FlashInferDecode:
         group_size: query heads per KV head (GQA group, e.g. 7 for 28/4).
         head_dim: head dimension (64 or 128).
         workspace_bytes: FlashInfer's float workspace (128 MiB default, as its examples).
-        use_tensor_cores: force the tensor-core kernel; default: :func:`needs_tensor_cores`.
+        use_tensor_cores: force the tensor-core kernel; default: `needs_tensor_cores`.
         graph_buffers: ``(indptr [R + 1], indices [>= nnz], last_page_len [R])`` int32 device
             buffers for CUDA-graph mode (fixed R; ``plan`` copies each table into them).
 
@@ -139,7 +139,7 @@ class FlashInferDecode:
 def flashinfer_backend():
     """The ``backend="flashinfer"`` decoding backend: FlashInfer paged decode kernels for
     single-token steps, SDPA for prefill and teacher-forced chunks. Raises
-    :class:`BackendUnavailableError` saying what is missing."""
+    `BackendUnavailableError` saying what is missing."""
     from .paged import PagedBackend
 
     require_flashinfer()

@@ -33,7 +33,7 @@ def check_int(name: str, value: object, *, minimum: int) -> None:
 @dataclass(frozen=True)
 class KVPolicy:
     """Base of every policy (frozen dataclasses). Eviction policies define ``sink``, ``window``
-    and ``buffer`` fields and :meth:`score`; selection policies define ``attend_mask``."""
+    and ``buffer`` fields and `score`; selection policies define ``attend_mask``."""
 
     name: ClassVar[str] = "base"
     kind: ClassVar[Kind] = "dense"
@@ -106,7 +106,7 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     marks the real observation-window queries; it is passed to ``policy.score`` only when given.
 
     Returns:
-        :class:`KeepSet` with ``K = max budget`` columns, sorted by position.
+        `KeepSet` with ``K = max budget`` columns, sorted by position.
     """
     b, _, s = valid.shape
     budgets = torch.as_tensor(budget).reshape(-1).long()
