@@ -118,7 +118,7 @@ def cell(model, shape, b, ctx, args, device, log):
         def run(pol=pol, budget=None if name == "Dense" else args.budget):
             return generate(model, ids, policy=pol, budget=budget,
                             max_new_tokens=args.new, temperature=0, logprobs_topk=0, backend=args.backend,
-                            prefill_chunk=args.prefill_chunk)
+                            prefill_chunk=args.prefill_chunk, cuda_graph=args.cuda_graph)
         out, peak = measured(run, device)
         t = out if isinstance(out, str) else out.meta["decode_s"] / (args.new - 1)
         dense_t = t if name == "Dense" else dense_t
@@ -167,7 +167,8 @@ def main(argv=None) -> None:
     ap.add_argument("--new", type=int, default=144, help="new tokens per row")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--prefill-chunk", type=int, default=512)
-    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--backend", default="auto", help="auto | torch | reference | flashinfer")
+    ap.add_argument("--cuda-graph", action="store_true", help="replay our decode steps as CUDA graphs")
     ap.add_argument("--tf-tokens", type=int, default=1024, help="teacher-forced response tokens")
     ap.add_argument("--no-tf", action="store_true")
     ap.add_argument("--out", default=None, help="append one JSON line per cell")
@@ -175,6 +176,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         args.smoke = True
     if args.smoke:
+        args.cuda_graph = False
         args.models, args.contexts, args.batches = "smoke", "48", "2"
         args.new, args.budget, args.tf_tokens, args.prefill_chunk = 6, 12, 8, 16
     setup(2)
@@ -218,7 +220,7 @@ def main(argv=None) -> None:
                     teacher_forcing(model, shape, b, ctx, args, device, log_tf)
         del model
     print(f"\n{args.new} new tokens, budget {args.budget}, backend {args.backend}, prefill chunk "
-          f"{args.prefill_chunk}\n")
+          f"{args.prefill_chunk}, CUDA graphs {'on' if args.cuda_graph else 'off'}\n")
     print(table(["model", "B", "context", "decoder", "ms / token", "vs HF", "vs our Dense", "peak GiB",
                  "KV MiB", "pool MiB"], rows))
     if tf_rows:
