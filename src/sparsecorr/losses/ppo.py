@@ -1,0 +1,157 @@
+r"""The clipped PPO surrogate as one fused autograd node, and the surrogate call's records.
+
+Per token, with \(\rho_t = e^{\mathrm{clamp}(\text{logp} - \text{old\_logp}, \pm 20)}\),
+advantage \(A\), detached IS weight \(w_t\) and clip range \([1-\varepsilon_l, 1+\varepsilon_h]\):
+
+\[
+\ell_t = -w_t \cdot \min\big(\rho_t A,\ \mathrm{clip}(\rho_t, 1-\varepsilon_l, 1+\varepsilon_h)\,A\big),
+\]
+
+and with dual clip \(c > 1\) (Ye et al. 2020), for \(A < 0\), \(\max(\min(\cdot), cA)\). Both
+clips and the dual clip collapse into one clamp with per-entry bounds:
+\(\min(\rho A, \mathrm{clip}(\rho)A) = A\,\mathrm{clamp}(\rho, \ell, h)\) with \([\ell, h] =
+[0, 1+\varepsilon_h]\) for \(A \ge 0\) and \([1-\varepsilon_l, c]\) for \(A<0\). The gradient is
+closed form,
+
+\[
+\frac{\partial \ell_t}{\partial\, \text{logp}_t} = -w_t\, A\, \rho_t \cdot
+\mathbb{1}[\text{the clamp leaves } \rho_t \text{ unchanged}] = \ell_t \cdot \mathbb{1}[\cdot],
+\]
+
+so the forward pass keeps one ``[B, T]`` tensor for backward instead of the half-dozen
+intermediates plain autograd would save. The ratio is handled as \(\rho_t - 1 =
+\mathrm{expm1}(\cdot)\), which is exactly 0 on tokens outside the loss: the mean ratio over a few
+kept tokens in a large batch is then exact (no cancellation against the padding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .._checks import count
+from ..mismatch import LOG_RATIO_CLAMP
+
+__all__ = ["SurrogateInputs", "SurrogateOutput", "ppo_clip_forward"]
+
+_HUGE_M1 = math.exp(LOG_RATIO_CLAMP) * (1 - 1e-6) - 1.0  # a pinned e^{+20} ratio counts as clipped
+
+
+@dataclass(frozen=True)
+class SurrogateInputs:
+    r"""What ``sparse_grpo`` hands a surrogate (all finite where ``kept``).
+
+    Attributes:
+        logp: learner log-probs (carry the gradient; any float dtype).
+        old_logp: float32 detached dense log-probs.
+        log_ratio: float32 detached \(\text{logp} - \text{old\_logp}\), 0 where not kept.
+        kept: bool, the tokens in the loss.
+        advantages: float32 ``[B, 1]`` or ``[B, T]``.
+        neg_weighted_adv: float32 ``[B, T]`` \(-w_t A\), 0 where not kept.
+        scales: ``[B]`` row scales of the aggregation.
+        n: 0-d number of kept tokens.
+    """
+
+    logp: torch.Tensor
+    old_logp: torch.Tensor
+    log_ratio: torch.Tensor
+    kept: torch.Tensor
+    advantages: torch.Tensor
+    neg_weighted_adv: torch.Tensor
+    scales: torch.Tensor
+    n: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SurrogateOutput:
+    """``token_loss`` ``[B, T]`` and ``loss`` ``[]`` (both carry the gradient), and the metrics,
+    computed only when ``sparse_grpo`` reports them:
+
+    - ``sums()``: ``name -> 0-d sum over the kept tokens``; the metric is that sum divided by
+      the kept-token count (all divided at once);
+    - ``extra()``: ``name -> 0-d value`` for anything else (``metrics="full"``).
+    """
+
+    token_loss: torch.Tensor
+    loss: torch.Tensor
+    sums: Callable[[], dict[str, torch.Tensor]] = dict
+    extra: Callable[[], dict[str, torch.Tensor]] = dict
+
+
+class _PPOClip(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logp, log_ratio, neg_wa, lo_m1, hi_m1, scales):
+        with torch.no_grad():
+            em1 = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expm1_()  # rho - 1, 0 off-loss
+            clipped = torch.clamp(em1, lo_m1, hi_m1)
+            active = clipped == em1
+            token_loss = torch.addcmul(neg_wa, clipped, neg_wa)  # (1 + clipped) * (-w A)
+            loss = (token_loss.sum(dim=1) * scales).sum()
+            grad = torch.where(active, token_loss, 0.0)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(grad, scales)
+        ctx.logp_dtype = logp.dtype
+        ctx.mark_non_differentiable(em1, active)
+        return token_loss, loss, em1, active
+
+    @staticmethod
+    def backward(ctx, g_token_loss, g_loss, *_):
+        grad, scales = ctx.saved_tensors
+        coef = None
+        if g_loss is not None:
+            coef = scales[:, None] * g_loss
+        if g_token_loss is not None:
+            coef = g_token_loss if coef is None else coef + g_token_loss
+        if coef is None:
+            return (None,) * 6
+        return (coef * grad).to(ctx.logp_dtype), None, None, None, None, None
+
+
+@lru_cache(maxsize=64)
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A cached 0-d float32 tensor (no tensor creation per call)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
+                     dual_clip: float | None) -> SurrogateOutput:
+    """Token-level weighted clipped surrogate, its aggregate and lazy metrics (``PPOClip``)."""
+    pos = x.advantages >= 0
+    dev = pos.device
+    lo = torch.where(pos, _constant(-1.0, dev), _constant(-clip_low, dev))
+    big = _HUGE_M1 if dual_clip is None else dual_clip - 1.0
+    hi = torch.where(pos, _constant(clip_high, dev), _constant(big, dev))
+    token_loss, loss, em1, active = _PPOClip.apply(x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi,
+                                                    x.scales)
+    return SurrogateOutput(token_loss, loss, sums=lambda: _ppo_sums(x, em1, active, dual_clip),
+                           extra=lambda: ratio_extremes(em1, x.kept, x.n))
+
+
+def _ppo_sums(x: SurrogateInputs, em1: torch.Tensor, active: torch.Tensor, dual_clip) -> dict:
+    """Kept-token sums of the PPO metrics: clipped tokens by side, the ratio, ``-log ratio``."""
+    adv = x.advantages
+    # off-loss entries are active (rho - 1 = 0 lies inside every clamp): count the clipped ones
+    rows = active.shape[1] - count(active, dim=1)
+    c_all = rows.sum()
+    c_neg = (rows * (adv[:, 0] < 0)).sum() if adv.shape[1] == 1 else count(~active & (adv < 0))
+    out = {"loss/clip_frac_high": c_all - c_neg, "loss/clip_frac_low": c_neg,
+           "loss/ratio_mean": x.n + em1.sum(), "loss/ppo_kl_k1_mean": -x.log_ratio.sum()}
+    if dual_clip is not None:
+        c_dual = count(~active & (adv < 0) & (em1 > 0))
+        out["loss/clip_frac_low"] = c_neg - c_dual
+        out["loss/clip_frac_dual"] = c_dual
+    return out
+
+
+def ratio_extremes(em1: torch.Tensor, kept: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``loss/ratio_min`` / ``loss/ratio_max`` over kept tokens (NaN when none), from
+    \\(\\rho - 1\\) (0 off the loss)."""
+    mean = em1.sum() / n.clamp(min=1)
+    lo, hi = torch.aminmax(torch.where(kept, em1, mean)) if em1.numel() else (mean, mean)
+    nan = torch.full((), float("nan"), device=em1.device)
+    return {"loss/ratio_min": torch.where(n > 0, 1.0 + lo, nan),
+            "loss/ratio_max": torch.where(n > 0, 1.0 + hi, nan)}
