@@ -81,11 +81,11 @@ def test_decode_cli_bad_paths(tmp_path, capsys, model_dir):
     prompts = _prompts(tmp_path, ['{"prompt_ids": [5, 6]}'])
     base = ["decode", "--model", str(model_dir), "--prompts", str(prompts), "--device", "cpu"]
     assert main([*base, "--out", str(tmp_path)]) == 2  # a directory
-    assert "is a directory" in capsys.readouterr().err
+    assert "got the directory" in capsys.readouterr().err
     blocker = tmp_path / "file.txt"
     blocker.write_text("x")
     assert main([*base, "--out", str(blocker / "b.safetensors")]) == 2  # under a file
-    assert "is not a directory" in capsys.readouterr().err
+    assert "is a file, not a directory" in capsys.readouterr().err
     assert main(["decode", "--model", str(tmp_path / "nope"), "--prompts", str(prompts), "--out", "o"]) == 2
     assert "--model" in capsys.readouterr().err
     assert main([*base, "--out", str(tmp_path / "o"), "--backend", "flashinfer"]) == 2

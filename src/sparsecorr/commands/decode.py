@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -79,19 +78,6 @@ def _device(args: argparse.Namespace) -> str:
     return device
 
 
-def _check_out(path: Path) -> None:
-    """The output file can be created: not a directory, under a writable directory."""
-    if path.is_dir():
-        raise ValueError(f"--out: {path} is a directory; expected a file path")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"--out: cannot create {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out: cannot create {path}: {parent} is not writable")
-
-
 def _prompt_ids(i: int, row: object, tokenizer, vocab: int) -> list[int]:
     where = f"--prompts: line {i}"
     if not isinstance(row, dict):
@@ -147,9 +133,11 @@ def _load_config(model_dir: Path):
 
 
 def run(args: argparse.Namespace) -> int:
+    from .._io import check_writable_file
+
     _check_options(args)
     device = _device(args)
-    _check_out(Path(args.out))
+    check_writable_file("--out", args.out)
     model_dir = Path(args.model)
     config, tokenizer = _load_config(model_dir)
     prompts = _read_prompts(Path(args.prompts), tokenizer, int(config.vocab_size))
@@ -175,10 +163,7 @@ def run(args: argparse.Namespace) -> int:
                      generator=torch.Generator().manual_seed(args.seed), progress=True, backend=args.backend,
                      prefill_chunk=args.prefill_chunk)
     elapsed = time.perf_counter() - t0
-    try:
-        path = batch.save(args.out)
-    except OSError as exc:
-        raise ValueError(f"--out: cannot write {args.out}: {exc}") from None
+    path = batch.save(args.out)  # an OSError (disk full) is one line from the CLI, status 1
     n_tok = int(batch.lengths.sum())
     kept = batch.kv_kept[batch.mask]
     print(f"wrote {path} ({len(prompts)} rollouts, {n_tok} tokens)")
