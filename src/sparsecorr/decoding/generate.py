@@ -86,10 +86,12 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
          eos_token_id=None, pruner=None, group_size=None, forced=None, forced_len=None, chunk_size=None,
          grad=False, cuda_graph=False) -> RolloutBatch:
     """Decode (or replay ``forced``) the non-empty rows; empty prompts get blank rows."""
-    device = next(model.parameters()).device
+    param = next(model.parameters())
+    device = param.device
     b_all, t_max = ids.shape[0], max_new_tokens
     live = (lens > 0).nonzero().squeeze(1)
-    back = get_backend(backend, device=device)
+    back = get_backend(backend, device=device, dtype=param.dtype)
+    budget_table(budget, dense=policy.kind == "dense", longest=0)  # checked even for an empty batch
     base = dict(budget=budget, samp=samp, backend_name=back.name, prefill_chunk=prefill_chunk)
     if live.numel() == 0:
         return RolloutBatch(**blank_fields(b_all, t_max, samp.k, prompt_lengths=lens),

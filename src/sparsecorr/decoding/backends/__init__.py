@@ -23,8 +23,9 @@ NAMES = ("auto", "torch", "reference", "flashinfer")
 
 
 def choose_backend(name: str, *, device: torch.device | str, flashinfer_ok: bool) -> str:
-    """Resolve ``"auto"``: ``"flashinfer"`` for a CUDA model when FlashInfer can run, else
-    ``"torch"``; any other name is returned as given (after checking it)."""
+    """Resolve ``"auto"``: ``"flashinfer"`` for a CUDA model when FlashInfer can run (installed,
+    and the model in bf16 / fp16), else ``"torch"``; any other name is returned as given (after
+    checking it)."""
     if not isinstance(name, str) or name not in NAMES:
         raise ValueError(f"backend: expected one of {list(NAMES)} or a backend object, got {name!r}")
     if name != "auto":
@@ -32,7 +33,8 @@ def choose_backend(name: str, *, device: torch.device | str, flashinfer_ok: bool
     return "flashinfer" if torch.device(device).type == "cuda" and flashinfer_ok else "torch"
 
 
-def get_backend(name: str | AttentionBackend = "auto", *, device: torch.device | str = "cpu") -> AttentionBackend:
+def get_backend(name: str | AttentionBackend = "auto", *, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
     """A backend by name for a model on ``device`` (an object with ``attend`` is returned as is).
 
     ``"auto"`` picks ``"flashinfer"`` on CUDA when ``flashinfer-python`` is installed and
@@ -43,7 +45,8 @@ def get_backend(name: str | AttentionBackend = "auto", *, device: torch.device |
         return name
     from .flashinfer import flashinfer_status
 
-    ok = torch.device(device).type == "cuda" and flashinfer_status()[0]
+    half = dtype in (torch.bfloat16, torch.float16)
+    ok = torch.device(device).type == "cuda" and half and flashinfer_status()[0]
     resolved = choose_backend(name, device=device, flashinfer_ok=ok)
     if resolved == "torch":
         return TorchBackend()
@@ -55,4 +58,7 @@ def get_backend(name: str | AttentionBackend = "auto", *, device: torch.device |
     if torch.device(device).type != "cuda":
         raise BackendUnavailableError(f"backend='flashinfer': the model is on {device}; move it to a "
                                       "CUDA device or use backend='torch'")
+    if not half:
+        raise BackendUnavailableError(f"backend='flashinfer': its kernels take bf16 or fp16, the model is "
+                                      f"{dtype}; use backend='torch'")
     return backend
