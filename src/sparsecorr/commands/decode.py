@@ -78,7 +78,7 @@ def _device(args: argparse.Namespace) -> str:
     return device
 
 
-def _prompt_ids(i: int, row: object, tokenizer, vocab: int) -> list[int]:
+def _prompt_ids(i: int, row: object, tokenizer, vocab: int | None) -> list[int]:
     where = f"--prompts: line {i}"
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object with 'prompt_ids' or 'prompt', got {json.dumps(row)}")
@@ -86,7 +86,7 @@ def _prompt_ids(i: int, row: object, tokenizer, vocab: int) -> list[int]:
         ids = row["prompt_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of ints, got {json.dumps(ids)}")
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
         return ids
@@ -99,7 +99,9 @@ def _prompt_ids(i: int, row: object, tokenizer, vocab: int) -> list[int]:
     raise ValueError(f"{where} needs 'prompt_ids' or 'prompt'")
 
 
-def _read_prompts(path: Path, tokenizer, vocab: int) -> list[list[int]]:
+def _read_prompts(path: Path, tokenizer, vocab: int | None = None) -> list[list[int]]:
+    """Prompt token ids, one list per JSONL line; ``vocab`` (if given) bounds the ids. (Also
+    used by ``sparsecorr calibrate``.)"""
     if not path.is_file():
         raise ValueError(f"--prompts: no such file {path}")
     prompts = []

@@ -133,11 +133,11 @@ def legacy_run(model, input_ids, attention_mask=None, *, policy, budget, steps, 
             for t in range(steps):
                 f = None if forced is None else forced[:, t]
                 tok, lp, top = sample(logits, samp, f)
-                for r in alive.nonzero().squeeze(1).tolist():
-                    rec["tok"][r, t], rec["logp"][r, t], lengths[r] = tok[r], lp[r], t + 1
-                    rec["budget"][r, t] = cache.budgets[r]
-                    if top is not None:
-                        rec["tk"][r, t], rec["ti"][r, t] = top.values[r], top.indices[r]
+                r = alive.nonzero().squeeze(1)
+                rec["tok"][r, t], rec["logp"][r, t], lengths[r] = tok[r], lp[r], t + 1
+                rec["budget"][r, t] = cache.budgets[r]
+                if top is not None:
+                    rec["tk"][r, t], rec["ti"][r, t] = top.values[r], top.indices[r]
                 if forced_len is not None:
                     alive &= forced_len > t + 1
                 if t + 1 == steps or not bool(alive.any()):

@@ -51,34 +51,37 @@ class _Counter:
 
 @pytest.mark.parametrize("policy", POLICIES, **ids_)
 def test_generate_equals_legacy_engine(policy):
-    model = tiny_model("qwen3", num_layers=3)
+    model = tiny_model("qwen3", num_layers=2)
     ids, am = _ragged()
-    new = generate(model, ids, am, policy=policy, budget=8, max_new_tokens=30, temperature=0,
+    new = generate(model, ids, am, policy=policy, budget=8, max_new_tokens=24, temperature=0,
                    prefill_chunk=None, logprobs_topk=5)
     old = legacy_run(model, ids, am, policy=policy, budget=None if policy.kind == "dense" else 8,
-                     steps=30, k=5)
-    _close(new, old, 30)
+                     steps=24, k=5)
+    _close(new, old, 24)
 
 
 @pytest.mark.parametrize("policy", POLICIES[1:], **ids_)
 def test_schedule_budget_equals_legacy_engine(policy):
-    class Steps:  # dense below 16 tokens of context, then 6, then 10
+    class Steps:  # dense below 14 tokens of context, then 6, then 10
         def budget_at(self, c):
-            return None if c < 16 else 6 if c < 30 else 10
+            return None if c < 14 else 6 if c < 24 else 10
 
-    model = tiny_model("llama", num_layers=3)
+    model = tiny_model("llama", num_layers=2)
     ids, am = _ragged(1)
-    new = generate(model, ids, am, policy=policy, budget=Steps(), max_new_tokens=36, temperature=0,
+    new = generate(model, ids, am, policy=policy, budget=Steps(), max_new_tokens=28, temperature=0,
                    prefill_chunk=None, logprobs_topk=3)
-    old = legacy_run(model, ids, am, policy=policy, budget=Steps(), steps=36, k=3)
-    _close(new, old, 36)
+    old = legacy_run(model, ids, am, policy=policy, budget=Steps(), steps=28, k=3)
+    _close(new, old, 28)
+    tf = teacher_forced_logprobs(model, ids, new.tokens, policy=policy, budget=Steps(), attention_mask=am,
+                                 prefill_chunk=None, logprobs_topk=3)
+    _close(tf, old, 28)
 
 
 @pytest.mark.parametrize("policy", POLICIES, **ids_)
 def test_chunked_teacher_forcing_equals_per_token_loop(policy):
-    model = tiny_model("qwen3", num_layers=3)
+    model = tiny_model("qwen3", num_layers=2)
     ids, am = _ragged(2)
-    out = generate(model, ids, am, policy=policy, budget=8, max_new_tokens=40, temperature=1.0,
+    out = generate(model, ids, am, policy=policy, budget=8, max_new_tokens=32, temperature=1.0,
                    top_p=0.95, generator=torch.Generator().manual_seed(0), prefill_chunk=None)
     rmask = out.mask.clone()
     rmask[1, 25:] = False  # a shorter response
@@ -86,21 +89,21 @@ def test_chunked_teacher_forcing_equals_per_token_loop(policy):
     tf = teacher_forced_logprobs(model, ids, out.tokens, policy=policy, budget=8, attention_mask=am,
                                  response_mask=rmask, temperature=1.0, top_p=0.95, prefill_chunk=None)
     forwards = count.calls
-    old = legacy_run(model, ids, am, policy=policy, budget=None if policy.kind == "dense" else 8, steps=40,
+    old = legacy_run(model, ids, am, policy=policy, budget=None if policy.kind == "dense" else 8, steps=32,
                      temperature=1.0, top_p=0.95, forced=out.tokens, forced_len=rmask.sum(1))
-    _close(tf, old, 40)
+    _close(tf, old, 32)
     torch.testing.assert_close(tf.rollout_logp[rmask], out.rollout_logp[rmask], atol=2e-5, rtol=0)
     # one forward per chunk: dense / selection replay everything at once; an eviction policy's
     # chunk ends at the next compression of any row (every buffer + 1 tokens per row; the rows
     # of a ragged batch compress out of step); StreamingLLM(buffer=0) compresses every token
     buffer = getattr(policy, "buffer", None)
-    expect = 2 if buffer is None else 2 + ids.shape[0] * -(-39 // (buffer + 1))
+    expect = 2 if buffer is None else 2 + ids.shape[0] * -(-31 // (buffer + 1))
     assert forwards <= expect, (forwards, expect)
 
 
 @pytest.mark.parametrize("policy", [Dense(), BlockTopK(page_size=4, dense_layers=1)], ids=lambda p: p.name)
 def test_prefill_chunks_do_not_change_dense_or_selection(policy):
-    model = tiny_model("qwen2", num_layers=3)
+    model = tiny_model("qwen2", num_layers=2)
     ids, am = _ragged(3, p=23)
     ref = generate(model, ids, am, policy=policy, budget=8, max_new_tokens=12, temperature=0, prefill_chunk=None)
     for chunk in (1, 5, 16):
@@ -137,11 +140,11 @@ def test_chunked_prefill_bounds_the_cache_and_streams_the_prompt(policy):
 def test_paged_backend_equals_sdpa(policy):
     """The FlashInfer code path (page tables, one plan per step, per-layer page ids) with the
     float32 paged oracle as its kernel, on CPU."""
-    model = tiny_model("qwen3", num_layers=3)
+    model = tiny_model("qwen3", num_layers=2)
     ids, am = _ragged(5)
-    ref = generate(model, ids, am, policy=policy, budget=8, max_new_tokens=24, temperature=0)
+    ref = generate(model, ids, am, policy=policy, budget=8, max_new_tokens=20, temperature=0)
     paged = PagedBackend(ReferenceDecodeKernel, name="paged-oracle")
-    out = generate(model, ids, am, policy=policy, budget=8, max_new_tokens=24, temperature=0, backend=paged)
+    out = generate(model, ids, am, policy=policy, budget=8, max_new_tokens=20, temperature=0, backend=paged)
     assert out.meta["backend"] == "paged-oracle"
     assert torch.equal(out.tokens, ref.tokens)
     torch.testing.assert_close(out.rollout_logp, ref.rollout_logp, atol=2e-5, rtol=0)
