@@ -94,6 +94,8 @@ def measured(fn, device):
         out = fn()
     except torch.OutOfMemoryError:
         out = "OOM"
+    except Exception as exc:  # a first GPU run: record the failure and go on to the next cell
+        out = f"error: {type(exc).__name__}: {str(exc)[:120]}"
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return out, peak
@@ -141,7 +143,11 @@ def teacher_forcing(model, shape, b, ctx, args, device, log_tf):
         sync(device)
         return time.perf_counter() - t0, torch.cat(outs)
 
-    (t_full, ref), peak = measured(forward, device)
+    res, peak = measured(forward, device)
+    if isinstance(res, str):  # OOM / error: no reference for this cell
+        log_tf(shape, b, ctx, n, "full forward", res, peak, None)
+        return
+    t_full, ref = res
     log_tf(shape, b, ctx, n, "full forward", t_full, peak, None)
     for name, pol, budget in [("Dense", Dense(), None), ("RKV", RKV(buffer=8 if args.smoke else 128), args.budget)]:
         def tf(pol=pol, budget=budget):
@@ -158,7 +164,51 @@ def teacher_forcing(model, shape, b, ctx, args, device, log_tf):
         log_tf(shape, b, ctx, n, name, res[0], peak, (t_full, mad))
 
 
-def main(argv=None) -> None:
+class Report:
+    """Rows of the two tables; each cell is also printed and appended to ``--out`` as soon as it
+    is measured, so a run cut short keeps what it measured."""
+
+    def __init__(self, gpu: str, out: str | None) -> None:
+        self.gpu, self.out, self.rows, self.tf_rows = gpu, out, [], []
+
+    def _record(self, rec: dict) -> None:
+        print(json.dumps(rec), flush=True)
+        if self.out:
+            with open(self.out, "a") as f:
+                f.write(json.dumps({"device": self.gpu, **rec}) + "\n")
+
+    @staticmethod
+    def _ms(t) -> str:
+        return t if isinstance(t, str) else f"{t * 1e3:.1f}"
+
+    def decode(self, shape, b, ctx, name, t, peak, hf, dense, out=None) -> None:
+        ok = not isinstance(t, str)
+        vs_hf = f"{hf / t:.2f}x" if ok and isinstance(hf, float) else ""
+        vs_dense = f"{dense / t:.2f}x" if ok and isinstance(dense, float) else ""
+        kv = pool = ""
+        if out is not None and not isinstance(out, str):
+            kv, pool = f"{out.peak_kv_bytes / 2**20:.2f}", f"{out.meta['kv_pool_bytes'] / 2**20:.2f}"
+        self.rows.append([shape, b, ctx, name, self._ms(t), vs_hf, vs_dense, f"{peak / 2**30:.2f}", kv, pool])
+        self._record({"model": shape, "batch": b, "context": ctx, "decoder": name, "s_per_token": t,
+                      "peak_bytes": peak, "kv_peak_mib": kv, "pool_mib": pool})
+
+    def tf(self, shape, b, ctx, n, name, t, peak, ref) -> None:
+        ratio = f"{t / ref[0]:.2f}x" if ref and not isinstance(t, str) else ""
+        self.tf_rows.append([shape, b, ctx, n, name, t if isinstance(t, str) else f"{t:.3f}", ratio,
+                             f"{ref[1]:.4f}" if ref else "", f"{peak / 2**30:.2f}"])
+        self._record({"model": shape, "batch": b, "context": ctx, "tf_tokens": n, "path": name, "seconds": t,
+                      "peak_bytes": peak, "mad_vs_full": ref[1] if ref else None})
+
+    def print_tables(self) -> None:
+        print(table(["model", "B", "context", "decoder", "ms / token", "vs HF", "vs our Dense", "peak GiB",
+                     "KV MiB", "pool MiB"], self.rows))
+        if self.tf_rows:
+            print("\nteacher forcing vs one full forward pass (same prompt + response)\n")
+            print(table(["model", "B", "context", "response", "path", "seconds", "vs full forward",
+                         "MAD vs full", "peak GiB"], self.tf_rows))
+
+
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (CI)")
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b")
@@ -179,35 +229,16 @@ def main(argv=None) -> None:
         args.cuda_graph = False
         args.models, args.contexts, args.batches = "smoke", "48", "2"
         args.new, args.budget, args.tf_tokens, args.prefill_chunk = 6, 12, 8, 16
+    return args
+
+
+def main(argv=None) -> None:
+    args = _args(argv)
     setup(2)
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    rows, tf_rows, records = [], [], []
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-
-    def fmt(t):
-        return t if isinstance(t, str) else f"{t * 1e3:.1f}"
-
-    def log(shape, b, ctx, name, t, peak, hf, dense, out=None):
-        ok = not isinstance(t, str)
-        vs_hf = f"{hf / t:.2f}x" if ok and isinstance(hf, float) else ""
-        vs_dense = f"{dense / t:.2f}x" if ok and isinstance(dense, float) else ""
-        kv = pool = ""
-        if out is not None and not isinstance(out, str):
-            kv, pool = f"{out.peak_kv_bytes / 2**20:.2f}", f"{out.meta['kv_pool_bytes'] / 2**20:.2f}"
-        rows.append([shape, b, ctx, name, fmt(t), vs_hf, vs_dense, f"{peak / 2**30:.2f}", kv, pool])
-        records.append({"device": gpu, "model": shape, "batch": b, "context": ctx, "decoder": name,
-                        "s_per_token": t, "peak_bytes": peak, "kv_peak_mib": kv, "pool_mib": pool})
-
-    def log_tf(shape, b, ctx, n, name, t, peak, ref):
-        ratio = f"{t / ref[0]:.2f}x" if ref and not isinstance(t, str) else ""
-        mad = f"{ref[1]:.4f}" if ref else ""
-        tf_rows.append([shape, b, ctx, n, name, fmt(t) if isinstance(t, str) else f"{t:.3f}", ratio, mad,
-                        f"{peak / 2**30:.2f}"])
-        records.append({"device": gpu, "model": shape, "batch": b, "context": ctx, "tf_tokens": n, "path": name,
-                        "seconds": t, "peak_bytes": peak})
-
-    print(f"# bench_decoding_gpu ({machine()}, device {gpu})")
+    report = Report(torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", args.out)
+    print(f"# bench_decoding_gpu ({machine()}, device {report.gpu})")
     for shape in args.models.split(","):
         model = build(shape, device, dtype)
         warm = torch.randint(5, 100, (2, 32), device=device)  # kernels, allocator, lazy imports
@@ -215,22 +246,13 @@ def main(argv=None) -> None:
         generate(model, warm, policy=RKV(buffer=8), budget=16, max_new_tokens=3, backend=args.backend)
         for b in map(int, args.batches.split(",")):
             for ctx in map(int, args.contexts.split(",")):
-                cell(model, shape, b, ctx, args, device, log)
+                cell(model, shape, b, ctx, args, device, report.decode)
                 if not args.no_tf:
-                    teacher_forcing(model, shape, b, ctx, args, device, log_tf)
+                    teacher_forcing(model, shape, b, ctx, args, device, report.tf)
         del model
     print(f"\n{args.new} new tokens, budget {args.budget}, backend {args.backend}, prefill chunk "
           f"{args.prefill_chunk}, CUDA graphs {'on' if args.cuda_graph else 'off'}\n")
-    print(table(["model", "B", "context", "decoder", "ms / token", "vs HF", "vs our Dense", "peak GiB",
-                 "KV MiB", "pool MiB"], rows))
-    if tf_rows:
-        print("\nteacher forcing vs one full forward pass (same prompt + response)\n")
-        print(table(["model", "B", "context", "response", "path", "seconds", "vs full forward",
-                     "MAD vs full", "peak GiB"], tf_rows))
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+    report.print_tables()
 
 
 if __name__ == "__main__":
