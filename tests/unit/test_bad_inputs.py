@@ -22,56 +22,13 @@ import math
 import re
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
 from sparsecorr import mismatch, pruning, schedules
-
-CLASSES = ("shape", "dtype", "nan", "inf", "empty", "all_masked", "range", "file")
-
-
-@dataclass(frozen=True)
-class Row:
-    """One bad input: ``call()`` must raise a ``ValueError`` matching ``error`` (a regex
-    anchored at the start of the message, so the argument comes first), or return a value
-    for which ``check(value)`` holds (a documented well-defined result)."""
-
-    target: str
-    kind: str
-    call: Callable[[], object]
-    error: str | None = None
-    check: Callable[[object], bool] | None = None
-    note: str = ""
-
-    @property
-    def id(self) -> str:
-        return f"{self.target}-{self.kind}-{self.note or self.error or 'result'}"
-
-
-def refused(target: str, kind: str, call: Callable[[], object], arg: str, note: str = "") -> Row:
-    """``call`` raises ValueError naming ``arg`` first (``arg`` is a regex)."""
-    return Row(target, kind, call, error=arg, note=note)
-
-
-def result(target: str, kind: str, call: Callable[[], object], check: Callable[[object], bool],
-           note: str) -> Row:
-    """``call`` returns the documented result ``check`` accepts."""
-    return Row(target, kind, call, check=check, note=note)
-
-
-_REGISTRY: dict[str, Callable[[], list[Row]]] = {}
-
-
-def rows(module: str) -> Callable[[Callable[[], list[Row]]], Callable[[], list[Row]]]:
-    def register(fn: Callable[[], list[Row]]) -> Callable[[], list[Row]]:
-        _REGISTRY[f"{module}:{fn.__name__}"] = fn
-        return fn
-
-    return register
-
+from tests.bad_inputs import CLASSES, REGISTRY, Row, check_row, missing_rows, refused, result, rows
 
 #: public names that must have at least one row, by module
 COVERED: dict[str, set[str]] = {
@@ -545,27 +502,16 @@ def _pruning_rows() -> list[Row]:
 
 
 # -- the tests ------------------------------------------------------------------------------------
-ALL_ROWS = [row for fn in _REGISTRY.values() for row in fn()]
+ALL_ROWS = [row for fn in REGISTRY.values() for row in fn()]
 
 
 @pytest.mark.parametrize("row", ALL_ROWS, ids=[r.id for r in ALL_ROWS])
 def test_bad_input(row: Row) -> None:
-    assert row.kind in CLASSES, row.kind
-    if row.error is not None:
-        with pytest.raises(ValueError) as exc:
-            row.call()
-        assert re.match(row.error, str(exc.value)), f"{row.target}: {exc.value}"
-        assert "expected" in str(exc.value) or "missing" in str(exc.value), str(exc.value)
-    else:
-        value = row.call()
-        assert row.check(value), f"{row.target}: {row.note}: got {value!r}"
+    check_row(row)
 
 
 def test_every_covered_public_name_has_rows() -> None:
-    targets = {r.target for r in ALL_ROWS}
-    for module, names in COVERED.items():
-        missing = sorted(names - targets)
-        assert not missing, f"{module}: no bad-input rows for {missing}"
+    assert not missing_rows(ALL_ROWS, COVERED)
 
 
 def test_rows_span_the_bad_input_classes() -> None:

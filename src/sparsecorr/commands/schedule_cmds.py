@@ -104,10 +104,10 @@ def add_calibrate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run_calibrate(args: argparse.Namespace) -> int:
     from .._io import atomic_write_bytes, check_writable_dir
     from ..schedules.calibrate import plan_calibration
-    from ..schedules.table import _check_size
+    from ..schedules.table import check_table_size
 
     # cheap checks first: nothing below loads a model before these pass
-    _check_size(len(set(args.budgets)), args.n_bins)
+    check_table_size(len(set(args.budgets)), args.n_bins)
     out = check_writable_dir("--out", args.out)
     _require_matplotlib()
     import torch

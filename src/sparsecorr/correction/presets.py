@@ -172,8 +172,8 @@ class TailReject:
 
     def __call__(self, mm: Mismatch) -> Correction:
         if mm.acceptance is None:
-            raise ValueError("acceptance: the tail rejection needs per-token acceptance rates "
-                             "(measure(..., acceptance=...)), got None")
+            raise ValueError("acceptance: expected per-token acceptance rates in the record "
+                             "(measure(..., acceptance=...)) for the tail rejection, got None")
         acc = mm.acceptance.detach().float()
         clean = mm.valid & (acc.abs() < math.inf)
         if acc.shape[-1] == 0:
@@ -195,8 +195,8 @@ class OPSM:
 
     def __call__(self, mm: Mismatch) -> Correction:
         if mm.advantages is None:
-            raise ValueError("advantages: OPSM needs advantages (sparse_grpo passes them; or "
-                             "measure(..., advantages=...)), got None")
+            raise ValueError("advantages: expected advantages in the record for OPSM (sparse_grpo "
+                             "passes them; or measure(..., advantages=...)), got None")
         valid, lr = mm.valid, mm.log_ratio
         if mm.logp is not None:
             raw = mm.logp.float() - mm.rollout_logp.detach().float()

@@ -36,8 +36,7 @@ from tqdm.auto import tqdm
 from .._checks import check_choice, check_int, check_int_tensor, check_number, check_probability
 from .._io import check_writable_dir
 from ..mismatch import acceptance_rate_topk
-from .table import CalibrationTable
-from .table import _check_size as check_table_size
+from .table import CalibrationTable, check_table_size
 
 if TYPE_CHECKING:  # decoding is imported lazily at call time
     from ..decoding import KVPolicy

@@ -28,7 +28,7 @@ from .._checks import field as json_field
 from .._io import atomic_write_json
 from ..mismatch import BinnedQuantileSketch
 
-__all__ = ["MAX_TABLE_BYTES", "N_BUCKETS", "CalibrationTable"]
+__all__ = ["MAX_TABLE_BYTES", "N_BUCKETS", "CalibrationTable", "check_table_size"]
 
 FORMAT = "sparsecorr.CalibrationTable/1"
 
@@ -39,7 +39,7 @@ N_BUCKETS = 1024
 MAX_TABLE_BYTES = 2**30
 
 
-def _check_size(n_budgets: int, n_bins: int) -> None:
+def check_table_size(n_budgets: int, n_bins: int) -> None:
     size = n_budgets * n_bins * N_BUCKETS * 8
     if size > MAX_TABLE_BYTES:
         raise ValueError(
@@ -80,7 +80,7 @@ class CalibrationTable:
         if not isinstance(self.meta, dict):
             raise ValueError(f"meta: expected a dict, got {type(self.meta).__name__}")
         self.budgets = sorted({int(b) for b in self.budgets})
-        _check_size(len(self.budgets), self.n_bins)  # before any histogram is allocated
+        check_table_size(len(self.budgets), self.n_bins)  # before any histogram is allocated
         for b in self.budgets:
             self.sketches.setdefault(b, BinnedQuantileSketch(0.0, 1.0, bin_size=self.bin_size,
                                                              n_bins=self.n_bins, n_buckets=N_BUCKETS))
@@ -115,7 +115,7 @@ class CalibrationTable:
         if (other.bin_size, other.n_bins, other.q) != (self.bin_size, self.n_bins, self.q):
             raise ValueError(f"other: expected bin_size={self.bin_size}, n_bins={self.n_bins}, "
                              f"q={self.q}, got {other.bin_size}, {other.n_bins}, {other.q}")
-        _check_size(len(set(self.budgets) | set(other.budgets)), self.n_bins)
+        check_table_size(len(set(self.budgets) | set(other.budgets)), self.n_bins)
         for b, sk in other.sketches.items():
             if b in self.sketches:
                 self.sketches[b].merge(sk)
