@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "sparsecorr"
-SHARED = {"_checks", "_io", "_dist", "_modes"}
+SHARED = {"_checks", "_io", "_dist", "_modes", "_masks"}
 
 #: layer -> the layers it may import (besides itself and the shared utilities)
 ALLOWED = {

@@ -23,6 +23,7 @@ from functools import cached_property
 import torch
 
 from .._checks import count
+from .._masks import row_any
 from ..mismatch import Mismatch, as_metrics
 
 __all__ = ["Correction", "CorrectionFn", "chain"]
@@ -85,7 +86,7 @@ class Correction:
     @cached_property
     def sequence_mask(self) -> torch.Tensor:
         """``[B]`` bool: sequences that keep at least one token (pass to ``group_advantages``)."""
-        return self.mask.any(dim=-1)
+        return row_any(self.mask)
 
     @cached_property
     def tokens(self) -> torch.Tensor:
@@ -149,7 +150,7 @@ def standard_metrics(c: Correction, *, full: bool = False) -> dict[str, torch.Te
         out = {"correction/kept_token_frac": v[0], "correction/weight_mean": v[1],
                "correction/ess": v[2], "correction/nonfinite_count": v[3]}
         if full:
-            rows_in = c.mask.any(-1) if src is None else src.input_rows
+            rows_in = row_any(c.mask) if src is None else src.input_rows
             out["correction/kept_seq_frac"] = count(c.sequence_mask & rows_in) / count(rows_in).clamp(min=1)
             ww = c.weights
             mean = v[1]  # lies inside [min, max] of the kept weights

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_choice, count
+from .._masks import zero_outside_
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch
 from .base import Correction
 
@@ -64,7 +65,7 @@ class TRLCorrection:
         else:
             w = ratio.masked_fill(outside, 0.0)
             name = "correction/band_rejected_frac"
-        return Correction(mask=mm.valid, token_weights=w * mm.valid,
+        return Correction(mask=mm.valid, token_weights=zero_outside_(w, mm.valid),
                           piece_metrics={name: _filtered_frac(outside, mm)}, source=mm)
 
 
@@ -129,5 +130,5 @@ class OpenRLHFCorrection:
                 else torch.zeros(())
         else:
             frac = _filtered_frac(filtered, mm)
-        return Correction(mask=clean, token_weights=w * clean,
+        return Correction(mask=clean, token_weights=zero_outside_(w.expand(clean.shape).clone(), clean),
                           piece_metrics={"correction/is_filter_ratio": frac}, source=mm)

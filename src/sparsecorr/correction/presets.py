@@ -15,6 +15,7 @@ import torch
 
 from .._checks import count
 from .._dist import all_reduce_sum
+from .._masks import row_any, zero_outside_
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch, masked_quantile
 from .base import Correction, CorrectionFn
 
@@ -68,7 +69,7 @@ class TIS:
     def __call__(self, mm: Mismatch) -> Correction:
         lo, hi = _log(self.floor, None), _log(self.cap, None)
         lr, valid = mm.log_ratio, mm.valid
-        w = lr.exp().clamp_(min=self.floor, max=self.cap).mul_(valid)
+        w = zero_outside_(lr.exp().clamp_(min=self.floor, max=self.cap), valid)
         outside = (lambda: valid & ~_in_band(lr, lo, hi)) if (lo, hi) != (None, None) else None
         metrics = {"correction/truncated_frac": (lambda: count(outside()) / mm.tokens.clamp(min=1))
                    if outside else torch.zeros(())}
@@ -87,7 +88,8 @@ class SequenceIS:
 
     def __call__(self, mm: Mismatch) -> Correction:
         w = row_log_ratio(mm, self.reduce).exp().clamp(min=self.floor, max=self.cap)
-        return Correction(mask=mm.valid, token_weights=w[:, None] * mm.valid, source=mm)
+        return Correction(mask=mm.valid, token_weights=zero_outside_(w[:, None].expand(mm.shape).clone(), mm.valid),
+                          source=mm)
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,8 @@ class BandMask:
             keep = mm.valid & _in_band(stat, lo, hi)[:, None]
         w = None
         if self.reweight:
-            w = (stat.exp() if self.level == "token" else stat.exp()[:, None]) * keep
+            w = stat.exp() if self.level == "token" else stat.exp()[:, None].expand(keep.shape).clone()
+            w = zero_outside_(w, keep)
         rejected = {"correction/band_rejected_frac": lambda: 1.0 - count(keep) / mm.tokens.clamp(min=1)}
         return Correction(mask=keep, token_weights=w, piece_metrics=rejected, source=mm)
 
@@ -135,7 +138,7 @@ def _veto_rows(mm: Mismatch, threshold: float) -> torch.Tensor:
     below = mm.log_ratio < t
     if t >= 0:  # padding holds log-ratio 0, which would count as "below"
         below &= mm.valid
-    return below.any(-1) if below.shape[-1] else torch.zeros(below.shape[0], dtype=torch.bool)
+    return row_any(below)
 
 
 @dataclass(frozen=True)
@@ -268,7 +271,7 @@ class SparseRL:
         w = c.exp_()  # on kept tokens lr is inside the band: c == lr there
         if cap is not None and (hi is None or cap < hi):
             w.clamp_(max=self.cap)
-        w.mul_(keep)
+        zero_outside_(w, keep)
         metrics = {
             "correction/truncated_frac": (lambda: count(_above(lr, valid, cap)) / mm.tokens.clamp(min=1))
             if cap is not None else torch.zeros(()),

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_choice, check_float_tensor, check_mask, check_same_shape, count
+from .._masks import as_float, finite_mask, row_any, zero_outside_
 from ..correction import Correction
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch, as_metrics, measure, mismatch_metrics
 from .aggregation import Aggregation
@@ -134,11 +135,11 @@ def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
     adv = advantages.detach().float()
     if adv.dim() == 1 or adv.shape[1] == 1:
         adv = adv.reshape(-1, 1)
-        ok = adv.abs() < _INF
-        return torch.where(ok, adv, 0.0), kept & ok, lambda: count(~ok)
-    ok = adv.abs() < _INF
+        ok = finite_mask(adv)
+        return adv.nan_to_num(0.0, 0.0, 0.0), kept.logical_and_(ok), lambda: count(~ok)
+    ok = finite_mask(adv)
     bad = kept & ~ok
-    return torch.where(ok, adv, 0.0), kept & ok, lambda: count(bad.any(dim=1))
+    return adv.nan_to_num(0.0, 0.0, 0.0), kept.logical_and_(ok), lambda: count(row_any(bad))
 
 
 def sparse_grpo(
@@ -227,16 +228,17 @@ def sparse_grpo(
     with torch.no_grad():
         # the learner side: logp - old_logp must be finite (covers old_logp without a record)
         raw = logp.detach().float() - old_logp.detach().float()
-        kept = (raw.abs() < _INF).logical_and_(base)
+        kept = finite_mask(raw).logical_and_(base)
         use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
         if use_ref:
-            kept &= ref_logp.detach().abs() < _INF
+            kept &= finite_mask(ref_logp.detach())
         adv, kept, bad_adv = _advantages(advantages, kept)
-        lr = torch.where(kept, raw, 0.0)
+        # in place on our own copy: clean, zero outside the loss (multiplies, not torch.where)
+        lr = zero_outside_(raw.nan_to_num_(0.0, 0.0, 0.0), kept)
         n = count(kept)
         neg_adv = adv.neg() if corr is None or corr.scale is None else adv * -corr.scale.reshape(())
         w = None if corr is None else corr.token_weights
-        neg_wa = torch.where(kept, neg_adv if w is None else w * neg_adv, 0.0)
+        neg_wa = as_float(kept) * neg_adv if w is None else zero_outside_(w * neg_adv, kept)
     scales = agg.row_scales(kept, tokens=n)
     out = sur(SurrogateInputs(logp=logp, old_logp=old_logp.detach().float(), log_ratio=lr,
                               kept=kept, advantages=adv, neg_weighted_adv=neg_wa, scales=scales, n=n))

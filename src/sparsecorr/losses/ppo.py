@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import torch
 
-from .._checks import count
+from .._masks import as_float
 from ..mismatch import LOG_RATIO_CLAMP
 
 __all__ = ["SurrogateInputs", "SurrogateOutput", "ppo_clip_forward"]
@@ -93,15 +93,17 @@ class _PPOClip(torch.autograd.Function):
         with torch.no_grad():
             em1 = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expm1_()  # rho - 1, 0 off-loss
             clipped = torch.clamp(em1, lo_m1, hi_m1)
-            active = clipped == em1
             token_loss = torch.addcmul(neg_wa, clipped, neg_wa)  # (1 + clipped) * (-w A)
             loss = (token_loss.sum(dim=1) * scales).sum()
-            grad = torch.where(active, token_loss, 0.0)
+            # 1 where the clamp moved rho (no gradient), 0 where it did not: float arithmetic,
+            # not a bool comparison (those take torch's slow CPU path)
+            moved = torch.sub(em1, clipped).sign_().abs_()
+            grad = torch.addcmul(token_loss, token_loss, moved, value=-1.0)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(grad, scales)
         ctx.logp_dtype = logp.dtype
-        ctx.mark_non_differentiable(em1, active)
-        return token_loss, loss, em1, active
+        ctx.mark_non_differentiable(em1, moved)
+        return token_loss, loss, em1, moved
 
     @staticmethod
     def backward(ctx, g_token_loss, g_loss, *_):
@@ -130,23 +132,28 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
     lo = torch.where(pos, _constant(-1.0, dev), _constant(-clip_low, dev))
     big = _HUGE_M1 if dual_clip is None else dual_clip - 1.0
     hi = torch.where(pos, _constant(clip_high, dev), _constant(big, dev))
-    token_loss, loss, em1, active = _PPOClip.apply(x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi,
-                                                    x.scales)
-    return SurrogateOutput(token_loss, loss, sums=lambda: _ppo_sums(x, em1, active, dual_clip),
+    token_loss, loss, em1, moved = _PPOClip.apply(x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi,
+                                                   x.scales)
+    return SurrogateOutput(token_loss, loss, sums=lambda: _ppo_sums(x, em1, moved, dual_clip),
                            extra=lambda: ratio_extremes(em1, x.kept, x.n))
 
 
-def _ppo_sums(x: SurrogateInputs, em1: torch.Tensor, active: torch.Tensor, dual_clip) -> dict:
-    """Kept-token sums of the PPO metrics: clipped tokens by side, the ratio, ``-log ratio``."""
+def _ppo_sums(x: SurrogateInputs, em1: torch.Tensor, moved: torch.Tensor, dual_clip) -> dict:
+    """Kept-token sums of the PPO metrics: clipped tokens by side, the ratio, ``-log ratio``.
+
+    ``moved`` is 1 where the clamp clipped the ratio; off-loss entries are 0 there (rho - 1 = 0
+    lies inside every clamp)."""
     adv = x.advantages
-    # off-loss entries are active (rho - 1 = 0 lies inside every clamp): count the clipped ones
-    rows = active.shape[1] - count(active, dim=1)
-    c_all = rows.sum()
-    c_neg = (rows * (adv[:, 0] < 0)).sum() if adv.shape[1] == 1 else count(~active & (adv < 0))
+    neg = as_float(adv < 0)
+    if adv.shape[1] == 1:
+        rows = moved.sum(dim=1)
+        c_all, c_neg = rows.sum(), torch.dot(rows, neg[:, 0])
+    else:
+        c_all, c_neg = moved.sum(), torch.dot(moved.reshape(-1), neg.reshape(-1))
     out = {"loss/clip_frac_high": c_all - c_neg, "loss/clip_frac_low": c_neg,
            "loss/ratio_mean": x.n + em1.sum(), "loss/ppo_kl_k1_mean": -x.log_ratio.sum()}
     if dual_clip is not None:
-        c_dual = count(~active & (adv < 0) & (em1 > 0))
+        c_dual = (moved * as_float((em1 > 0) & (adv < 0))).sum()
         out["loss/clip_frac_low"] = c_neg - c_dual
         out["loss/clip_frac_dual"] = c_dual
     return out

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import check_float_tensor, check_mask, check_same_shape, count
+from .._masks import finite_mask, row_any, zero_outside_
 
 __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
 
@@ -105,12 +106,12 @@ class Mismatch:
     @property
     def valid_rows(self) -> torch.Tensor:
         """``[B]`` bool: rows with at least one valid token."""
-        return self._cached("valid_rows", lambda: self.valid.any(dim=-1))
+        return self._cached("valid_rows", lambda: row_any(self.valid))
 
     @property
     def input_rows(self) -> torch.Tensor:
         """``[B]`` bool: rows with at least one masked-in token."""
-        return self._cached("input_rows", lambda: self.mask.any(dim=-1))
+        return self._cached("input_rows", lambda: row_any(self.mask))
 
     def with_context(
         self, *, advantages: torch.Tensor | None = None, logp: torch.Tensor | None = None
@@ -182,9 +183,9 @@ def measure(
             check_same_shape(old_logp=old_logp, logp=logp)
     with torch.no_grad():
         raw = old_logp.detach().float() - rollout_logp.detach().float()
-        # |x| < inf is False for NaN and ±inf: isfinite in two kernels (torch's takes four)
-        valid = torch.lt(raw.abs(), float("inf")).logical_and_(mask)
-        lr = torch.where(valid, raw, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        valid = finite_mask(raw).logical_and_(mask)
+        # in place: clean, clamp, zero outside the valid tokens (a multiply, not torch.where)
+        lr = zero_outside_(raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), valid)
     return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
                     acceptance=acceptance, advantages=advantages,
                     logp=None if logp is None else logp.detach())

@@ -1,0 +1,43 @@
+"""Fast bool-mask arithmetic shared by every layer (CPU kernels measured in bench_losses.py).
+
+On the CPU, torch's kernels that read a ``bool`` tensor alongside a float one (``torch.where``
+with a bool condition, ``x * mask``, ``mask.float()``, ``mask.any(dim)``) take the slow,
+non-vectorised path: at 256x8192, ``torch.where(mask, x, 0)`` costs 3-7 ms where a float
+``clamp`` costs 0.2 ms. Reading the same bytes as ``uint8`` (a free view) takes the vectorised
+path: multiplying by the mask 0.35 ms, converting it 0.08 ms, a per-row "any" 0.02 ms. These
+helpers do exactly that; the results are bit-identical to the bool forms for finite inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["as_float", "finite_mask", "row_any", "zero_outside_"]
+
+
+def _u8(mask: torch.Tensor) -> torch.Tensor:
+    return mask.view(torch.uint8)
+
+
+def zero_outside_(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with every entry outside ``mask`` set to 0, in place. ``x`` must be finite (NaN
+    times 0 is NaN: clean it with ``nan_to_num_`` first). Same as ``torch.where(mask, x, 0)``."""
+    return x.mul_(_u8(mask))
+
+
+def as_float(mask: torch.Tensor) -> torch.Tensor:
+    """The bool ``mask`` as a float32 0/1 tensor."""
+    return _u8(mask).to(torch.float32)
+
+
+def row_any(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: rows of a ``[B, T]`` mask with a True entry (``mask.any(-1)``)."""
+    if mask.shape[-1] == 0:
+        return torch.zeros(mask.shape[:-1], dtype=torch.bool, device=mask.device)
+    return _u8(mask).amax(dim=-1).bool()
+
+
+def finite_mask(x: torch.Tensor) -> torch.Tensor:
+    """``isfinite(x)`` in two kernels (``|x| < inf`` is False for NaN and ±inf; torch's own
+    ``isfinite`` takes four)."""
+    return x.abs() < float("inf")
