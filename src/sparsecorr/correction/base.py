@@ -24,12 +24,25 @@ import torch
 
 from .._checks import count
 from .._masks import row_any
-from ..mismatch import Mismatch, as_metrics
+from ..mismatch import MetricPlan, Mismatch, as_metrics
 
-__all__ = ["Correction", "CorrectionFn", "chain"]
+__all__ = ["Correction", "CorrectionFn", "Count", "chain"]
 
-#: a metric value, or a function computing it on first access (metrics are lazy)
-MetricValue = torch.Tensor | Callable[[], torch.Tensor]
+@dataclass(frozen=True)
+class Count:
+    """A lazy piece metric ``offset + coef * count / denominator``: ``count()`` is computed on
+    first access; ``per_token=True`` divides by the source's valid tokens (a fraction of them),
+    else the metric is the (scaled) count itself. Resolved with every other metric in a few
+    batched ops (``MetricPlan``)."""
+
+    count: Callable[[], torch.Tensor]
+    per_token: bool = False
+    coef: float = 1.0
+    offset: float = 0.0
+
+
+#: a metric value, a function computing it on first access, or a lazy ``Count``
+MetricValue = torch.Tensor | Callable[[], torch.Tensor] | Count
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,10 +119,23 @@ class Correction:
         return self.metrics_at("full")
 
     def metrics_at(self, level: str) -> dict[str, torch.Tensor]:
-        out = standard_metrics(self, full=level == "full")
+        plan = MetricPlan()
+        self.add_metrics(plan, full=level == "full")
+        return as_metrics(plan.resolve())
+
+    def add_metrics(self, plan: MetricPlan, *, full: bool = False) -> None:
+        """Register every metric of this correction on ``plan`` (``sparse_grpo`` resolves the
+        record's, the correction's and the loss's metrics together)."""
+        standard_metrics(self, plan, full=full)
+        tokens = None
         for name, value in self.piece_metrics.items():
-            out[name] = value() if callable(value) else value
-        return as_metrics(out)
+            if isinstance(value, Count):
+                if value.per_token and tokens is None:
+                    tokens = plan.add(self.source.tokens if self.source is not None else self.tokens)
+                plan.ratio(name, {plan.add(value.count()): value.coef},
+                           tokens if value.per_token else None, offset=value.offset)
+            else:
+                plan.value(name, value() if callable(value) else value)
 
     def reweight(self, factor: torch.Tensor) -> Correction:
         """The same correction with every weight multiplied by ``factor`` (detached); the mask
@@ -127,38 +153,36 @@ class Correction:
 CorrectionFn = Callable[[Mismatch], Correction]
 
 
-def standard_metrics(c: Correction, *, full: bool = False) -> dict[str, torch.Tensor]:
-    """The metrics every correction reports: two reductions over ``[B, T]`` (three more with
-    ``full``), then one vectorised division."""
-    with torch.no_grad():
-        src = c.source
-        kept = c.tokens
-        w = c.token_weights
-        if w is None:
-            s1, s2 = kept, kept
-        else:
-            flat = w.detach().float().reshape(-1)
-            s1 = c.cache["weight_sum"] if "weight_sum" in c.cache else flat.sum()
-            s2 = torch.dot(flat, flat)
-        one = kept.new_ones(())
-        scale = one if c.scale is None else c.scale.detach().float().reshape(())
-        n_in = count(c.mask) if src is None else src.input_tokens
-        nonfinite = kept.new_zeros(()) if src is None else src.nonfinite
-        num = torch.stack([kept, s1 * scale, s1.square(), nonfinite])
-        den = torch.stack([n_in, kept, kept * s2, one])
-        v = torch.where(den > 0, num / den.clamp(min=1e-30), 0.0).unbind()
-        out = {"correction/kept_token_frac": v[0], "correction/weight_mean": v[1],
-               "correction/ess": v[2], "correction/nonfinite_count": v[3]}
-        if full:
-            rows_in = row_any(c.mask) if src is None else src.input_rows
-            out["correction/kept_seq_frac"] = count(c.sequence_mask & rows_in) / count(rows_in).clamp(min=1)
-            ww = c.weights
-            mean = v[1]  # lies inside [min, max] of the kept weights
-            lo, hi = torch.aminmax(torch.where(c.mask, ww, mean)) if ww.numel() else (mean, mean)
-            nan = torch.full((), float("nan"), device=ww.device)
-            out["correction/weight_min"] = torch.where(kept > 0, lo, nan)
-            out["correction/weight_max"] = torch.where(kept > 0, hi, nan)
-        return out
+def standard_metrics(c: Correction, plan: MetricPlan, *, full: bool = False) -> None:
+    """Register the metrics every correction reports on ``plan``: one dot product over
+    ``[B, T]`` (the counts and the weight sum are cached), three more passes with ``full``."""
+    src = c.source
+    kept = c.tokens
+    w = c.token_weights
+    if w is None:
+        s1, s2 = kept, kept
+    else:
+        flat = w.detach().float().reshape(-1)
+        s1 = c.cache["weight_sum"] if "weight_sum" in c.cache else flat.sum()
+        s2 = torch.dot(flat, flat)
+    k_kept = plan.add(kept)
+    k_in = plan.add(count(c.mask) if src is None else src.input_tokens)
+    k_w = plan.add(s1 if c.scale is None else s1 * c.scale.detach().reshape(()))
+    k_ess_num, k_ess_den = plan.add(s1.square()), plan.add(kept * s2)
+    plan.ratio("correction/kept_token_frac", {k_kept: 1.0}, k_in)
+    plan.ratio("correction/weight_mean", {k_w: 1.0}, k_kept)
+    # normalised ESS (sum w)^2 / (n sum w^2), 0 when nothing is kept
+    plan.ratio("correction/ess", {k_ess_num: 1.0}, k_ess_den)
+    plan.ratio("correction/nonfinite_count", {plan.add(src.nonfinite): 1.0} if src is not None else {})
+    if full:
+        rows_in = row_any(c.mask) if src is None else src.input_rows
+        plan.ratio("correction/kept_seq_frac", {plan.add(count(c.sequence_mask & rows_in)): 1.0},
+                   plan.add(count(rows_in)))
+        ww = c.weights
+        mean = s1 / kept.clamp(min=1) if c.scale is None else s1 * c.scale.reshape(()) / kept.clamp(min=1)
+        lo, hi = torch.aminmax(torch.where(c.mask, ww, mean)) if ww.numel() else (mean, mean)
+        plan.extreme("correction/weight_min", lo.neg(), empty=k_kept, sign=-1.0)
+        plan.extreme("correction/weight_max", hi, empty=k_kept)
 
 
 @dataclass(frozen=True)

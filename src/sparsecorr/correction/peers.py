@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_choice, count
-from .._masks import zero_outside_
+from .._masks import row_any, zero_outside_
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch
-from .base import Correction
+from .base import Correction, Count
 
 __all__ = ["OPENRLHF_GATINGS", "TRL_MODES", "OpenRLHFCorrection", "TRLCorrection"]
 
@@ -37,7 +37,7 @@ OPENRLHF_GATINGS = ("ratio", "binary_kl", "tv")
 
 
 def _filtered_frac(outside: torch.Tensor, mm: Mismatch):
-    return lambda: count(outside & mm.valid) / mm.tokens.clamp(min=1)
+    return Count(lambda: count(outside & mm.valid), per_token=True)
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,8 @@ class OpenRLHFCorrection:
             # OpenRLHF averages over every row; an empty row's statistic is 0/0 = NaN there,
             # which fails the band test, so it counts as filtered (its weight is moot)
             rows = max(clean.shape[0], 1)
-            frac = (lambda: count(filtered[:, 0] | ~clean.any(-1)) / rows) if clean.shape[-1] \
-                else torch.zeros(())
+            frac = Count(lambda: count(filtered[:, 0] | ~row_any(clean)), coef=1.0 / rows) \
+                if clean.shape[-1] else torch.zeros(())
         else:
             frac = _filtered_frac(filtered, mm)
         return Correction(mask=clean, token_weights=zero_outside_(w.expand(clean.shape).clone(), clean),

@@ -17,7 +17,7 @@ from .._checks import count
 from .._dist import all_reduce_sum
 from .._masks import row_any, zero_outside_
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch, masked_quantile
-from .base import Correction, CorrectionFn
+from .base import Correction, CorrectionFn, Count
 
 __all__ = [
     "OPSM",
@@ -71,7 +71,7 @@ class TIS:
         lr, valid = mm.log_ratio, mm.valid
         w = zero_outside_(lr.exp().clamp_(min=self.floor, max=self.cap), valid)
         outside = (lambda: valid & ~_in_band(lr, lo, hi)) if (lo, hi) != (None, None) else None
-        metrics = {"correction/truncated_frac": (lambda: count(outside()) / mm.tokens.clamp(min=1))
+        metrics = {"correction/truncated_frac": Count(lambda: count(outside()), per_token=True)
                    if outside else torch.zeros(())}
         return Correction(mask=valid, token_weights=w, piece_metrics=metrics, source=mm)
 
@@ -114,7 +114,8 @@ class BandMask:
         if self.reweight:
             w = stat.exp() if self.level == "token" else stat.exp()[:, None].expand(keep.shape).clone()
             w = zero_outside_(w, keep)
-        rejected = {"correction/band_rejected_frac": lambda: 1.0 - count(keep) / mm.tokens.clamp(min=1)}
+        rejected = {"correction/band_rejected_frac": Count(lambda: count(keep), per_token=True,
+                                                           coef=-1.0, offset=1.0)}
         return Correction(mask=keep, token_weights=w, piece_metrics=rejected, source=mm)
 
 
@@ -128,7 +129,7 @@ class Veto:
         bad = _veto_rows(mm, self.threshold)
         keep = mm.valid & ~bad[:, None]
         # a vetoed row has a valid token below the threshold: it is never an empty row
-        return Correction(mask=keep, piece_metrics={"correction/vetoed_seqs": lambda: count(bad)},
+        return Correction(mask=keep, piece_metrics={"correction/vetoed_seqs": Count(lambda: count(bad))},
                           source=mm)
 
 
@@ -161,7 +162,7 @@ class Divergence:
             stat = k.sum(-1) / count(mm.valid, dim=-1).clamp(min=1)
         bad = stat > self.threshold  # an empty row has statistic 0 <= threshold
         return Correction(mask=mm.valid & ~bad[:, None],
-                          piece_metrics={"correction/divergence_rejected_seqs": lambda: count(bad)},
+                          piece_metrics={"correction/divergence_rejected_seqs": Count(lambda: count(bad))},
                           source=mm)
 
 
@@ -185,7 +186,7 @@ class TailReject:
             ok = masked_quantile(acc, clean, self.q, dim=1) >= self.tau  # NaN (empty row) fails
         keep = clean & ok[:, None]
         return Correction(mask=keep, piece_metrics={
-            "correction/tail_rejected_seqs": lambda: count(clean.any(-1) & ~ok)}, source=mm)
+            "correction/tail_rejected_seqs": Count(lambda: count(row_any(clean) & ~ok))}, source=mm)
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ class OPSM:
         drift = -lr.sum(-1) / count(valid, dim=-1).clamp(min=1)
         bad = (adv < 0) & (drift > self.delta)  # an empty row has drift 0 <= delta
         return Correction(mask=valid & ~bad[:, None], piece_metrics={
-            "correction/opsm_rejected_seqs": lambda: count(bad)}, source=mm)
+            "correction/opsm_rejected_seqs": Count(lambda: count(bad))}, source=mm)
 
 
 def _normalize(c: Correction, group: object | None) -> Correction:
@@ -273,10 +274,11 @@ class SparseRL:
             w.clamp_(max=self.cap)
         zero_outside_(w, keep)
         metrics = {
-            "correction/truncated_frac": (lambda: count(_above(lr, valid, cap)) / mm.tokens.clamp(min=1))
+            "correction/truncated_frac": Count(lambda: count(_above(lr, valid, cap)), per_token=True)
             if cap is not None else torch.zeros(()),
-            "correction/band_rejected_frac": lambda: 1.0 - count(in_band) / mm.tokens.clamp(min=1),
-            "correction/vetoed_seqs": lambda: count(bad),
+            "correction/band_rejected_frac": Count(lambda: count(in_band), per_token=True, coef=-1.0,
+                                                   offset=1.0),
+            "correction/vetoed_seqs": Count(lambda: count(bad)),
         }
         return _normalize(Correction(mask=keep, token_weights=w, piece_metrics=metrics, source=mm),
                           self.group)

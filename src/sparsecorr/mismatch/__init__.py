@@ -23,18 +23,21 @@ from .metrics import (
     log_ratio,
     sequence_log_ratio,
 )
+from .plan import MetricPlan
 from .quantiles import binned_quantile, masked_quantile
 from .record import LOG_RATIO_CLAMP, Mismatch, measure
 from .sketch import BinnedQuantileSketch, QuantileSketch
-from .summary import as_metrics, mismatch_metrics, quantile_name
+from .summary import add_mismatch_metrics, as_metrics, mismatch_metrics, quantile_name
 
 __all__ = [
     "LOG_RATIO_CLAMP",
     "BinnedQuantileSketch",
+    "MetricPlan",
     "Mismatch",
     "QuantileSketch",
     "acceptance_rate",
     "acceptance_rate_topk",
+    "add_mismatch_metrics",
     "as_metrics",
     "binned_quantile",
     "chi2",

@@ -24,16 +24,16 @@ A rank with an empty shard takes part in every collective, so ranks stay in step
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
 
 from .._checks import check_choice, count
-from .._dist import all_gather_varlen, all_reduce_max, all_reduce_sum
+from .._dist import all_gather_varlen, all_reduce_sum
+from .plan import MetricPlan
 from .quantiles import masked_quantile
 from .record import Mismatch, measure
 
-__all__ = ["LEVELS", "as_metrics", "mismatch_metrics", "quantile_name"]
+__all__ = ["LEVELS", "add_mismatch_metrics", "as_metrics", "mismatch_metrics", "quantile_name"]
 
 LEVELS = ("default", "full")
 DEFAULT_QUANTILES = (0.01, 0.05, 0.5)
@@ -112,7 +112,9 @@ def mismatch_metrics(
     full = level == "full"
     qs = tuple(quantiles) if quantiles is not None else (DEFAULT_QUANTILES if full else ())
     with torch.no_grad():
-        out = _moments(mm, full, group)
+        plan = MetricPlan()
+        add_mismatch_metrics(plan, mm, full=full)
+        out = _exp_extremes(plan.resolve(group))
         if qs:
             for q, v in zip(qs, _quantiles(mm.log_ratio, mm.valid, qs, group)):
                 out[f"mismatch/log_ratio_{quantile_name(q)}"] = v
@@ -121,59 +123,41 @@ def mismatch_metrics(
     return as_metrics(out)
 
 
-@lru_cache(maxsize=8)
-def _combination(full: bool, device: torch.device) -> torch.Tensor:
-    """Rows turning the stacked sums into the numerators of the means (one matmul)."""
-    # sums: [tokens, nonfinite, sum lr, sum e, (sum |lr|, sum lr^2, sum e^2)]
-    rows = [[0, 0, 1, 0], [0, 0, -1, 0], [0, 0, -1, 1]]
-    if full:
-        rows = [[*r, 0, 0, 0] for r in rows] + [[0] * 4 + [1, 0, 0], [0] * 4 + [0, 0.5, 0],
-                                                [0] * 4 + [0, 0, 1]]
-    return torch.tensor(rows, dtype=torch.float32, device=device)
-
-
-def _moments(mm: Mismatch, full: bool, group) -> dict[str, torch.Tensor]:
-    """Counts, means and extremes: one stack of sums (one all-reduce), one matmul for the
-    means, one stack of extremes (one all-reduce)."""
+def add_mismatch_metrics(plan: MetricPlan, mm: Mismatch, *, full: bool = False) -> None:
+    """Register the record's moment metrics (module table) on ``plan``: four reductions for the
+    default level, four more for ``full``."""
     lr = mm.log_ratio
     e = torch.expm1(lr)  # 0 outside the valid tokens
-    sums = [mm.tokens, mm.nonfinite, lr.sum(), e.sum()]
-    lo, hi = _extremes(lr)
-    ext = [lo.neg(), hi]
+    n = plan.add(mm.tokens)
+    nonfinite = plan.add(mm.nonfinite)
+    s_lr, s_e = plan.add(lr.sum()), plan.add(e.sum())
+    plan.ratio("mismatch/tokens", {n: 1.0})
+    plan.ratio("mismatch/nonfinite_count", {nonfinite: 1.0})
+    plan.ratio("mismatch/log_ratio_mean", {s_lr: 1.0}, n)
+    plan.ratio("mismatch/kl_k1_mean", {s_lr: -1.0}, n)
+    plan.ratio("mismatch/kl_k3_mean", {s_e: 1.0, s_lr: -1.0}, n)
+    # log-ratios are 0 off the valid tokens, so the largest |l| over all entries is exact
+    abs_max = lr.abs().amax() if lr.numel() else lr.new_zeros(())
+    plan.extreme("mismatch/log_ratio_abs_max", abs_max, empty=n, fill=0.0)
     if full:
         flat_lr, flat_e = lr.reshape(-1), e.reshape(-1)
-        sums += [lr.abs().sum(), torch.dot(flat_lr, flat_lr), torch.dot(flat_e, flat_e)]
-        mean = sums[2] / mm.tokens.clamp(min=1)  # lies inside [min, max] of the valid values
-        vlo, vhi = _extremes(torch.where(mm.valid, lr, mean))
-        ext += [vlo.neg(), vhi]
-    s = torch.stack(sums)
-    x = torch.stack(ext)
-    if group is not None:
-        s = all_reduce_sum(s, group)
-        # a shard without valid tokens must not move the extremes of the others
-        x = all_reduce_max(torch.where(mm.tokens > 0, x, float("-inf")), group)
-    parts = s.unbind()
-    n = parts[0]
-    means = (_combination(full, s.device) @ s / n.clamp(min=1)).unbind()
-    # single process: log-ratios are 0 off the valid tokens, so max(-min, max) is exact
-    abs_max = x[:2].amax() if group is None else torch.where(n > 0, x[:2].amax(), 0.0)
-    out = {
-        "mismatch/tokens": n,
-        "mismatch/nonfinite_count": parts[1],
-        "mismatch/log_ratio_mean": means[0],
-        "mismatch/log_ratio_abs_max": abs_max,
-        "mismatch/kl_k1_mean": means[1],
-        "mismatch/kl_k3_mean": means[2].clamp(min=0.0),
-    }
-    if full:
-        nan = torch.full((), float("nan"), device=n.device)
-        out.update({
-            "mismatch/log_ratio_abs_mean": means[3],
-            "mismatch/ratio_min": torch.where(n > 0, (-x[2]).exp(), nan),
-            "mismatch/ratio_max": torch.where(n > 0, x[3].exp(), nan),
-            "mismatch/kl_k2_mean": means[4],
-            "mismatch/chi2_mean": means[5],
-        })
+        s_abs = plan.add(lr.abs().sum())
+        s_k2 = plan.add(torch.dot(flat_lr, flat_lr))
+        s_chi = plan.add(torch.dot(flat_e, flat_e))
+        plan.ratio("mismatch/log_ratio_abs_mean", {s_abs: 1.0}, n)
+        plan.ratio("mismatch/kl_k2_mean", {s_k2: 0.5}, n)
+        plan.ratio("mismatch/chi2_mean", {s_chi: 1.0}, n)
+        mean = lr.sum() / mm.tokens.clamp(min=1)  # lies inside [min, max] of the valid values
+        lo, hi = _extremes(torch.where(mm.valid, lr, mean))
+        plan.extreme("mismatch/ratio_min", lo.neg(), empty=n, sign=-1.0)
+        plan.extreme("mismatch/ratio_max", hi, empty=n)
+
+
+def _exp_extremes(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ratio extremes are registered as log-ratios; report them as ratios."""
+    for key in ("mismatch/ratio_min", "mismatch/ratio_max"):
+        if key in out:
+            out[key] = out[key].exp()
     return out
 
 

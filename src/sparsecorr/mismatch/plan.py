@@ -1,0 +1,115 @@
+r"""Metrics resolved in a handful of batched ops: ``MetricPlan``.
+
+Every metric of the loss path is either a ratio of sums over tokens (a mean, a fraction, a
+count) or an extreme. Computing each with its own arithmetic costs a few tiny tensor ops per
+metric (each with a fixed dispatch cost that dominates small batches). A plan collects the 0-d
+reductions once, then resolves every ratio with one stack, one matrix-vector product (the
+numerators are linear combinations of the sums), one gather (the denominators), one division,
+and every extreme with one stack — whatever the number of metrics. With a process group the
+sums are all-reduced in one collective and the extremes in another, on every rank alike (a
+rank with an empty shard takes part and contributes nothing).
+
+Example:
+    >>> import torch
+    >>> from sparsecorr.mismatch import MetricPlan
+    >>> plan = MetricPlan()
+    >>> n = plan.add(torch.tensor(4.0))
+    >>> s = plan.add(torch.tensor(6.0))
+    >>> plan.ratio("mean", {s: 1.0}, n)
+    >>> plan.ratio("neg_mean", {s: -1.0}, n)
+    >>> plan.ratio("count", {n: 1.0})
+    >>> {k: float(v) for k, v in plan.resolve().items()}
+    {'mean': 1.5, 'neg_mean': -1.5, 'count': 4.0}
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .._dist import all_reduce_max, all_reduce_sum
+
+__all__ = ["MetricPlan"]
+
+
+@lru_cache(maxsize=256)
+def _tables(spec: tuple, n_sums: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Coefficients ``[M, K+1]``, denominator indices ``[M]`` and offsets ``[M]`` of a plan
+    (index ``K`` is the constant 1 appended to the sums)."""
+    coef = torch.zeros(len(spec), n_sums + 1)
+    den = torch.empty(len(spec), dtype=torch.long)
+    off = torch.empty(len(spec))
+    for i, (terms, d, o) in enumerate(spec):
+        for k, c in terms:
+            coef[i, k] = c
+        den[i] = n_sums if d is None else d
+        off[i] = o
+    return coef.to(device), den.to(device), off.to(device)
+
+
+@lru_cache(maxsize=256)
+def _extreme_tables(spec: tuple, n_sums: int, device: torch.device):
+    """Count indices ``[E]`` (``n_sums``: the constant 1), signs ``[E]`` and fill values ``[E]``."""
+    idx = torch.tensor([n_sums if e is None else e for e, _, _ in spec], dtype=torch.long)
+    signs = torch.tensor([s for _, s, _ in spec])
+    fills = torch.tensor([f for _, _, f in spec])
+    return idx.to(device), signs.to(device), fills.to(device)
+
+
+class MetricPlan:
+    """Collects 0-d reductions (``add``) and metrics defined on them (``ratio``, ``extreme``,
+    ``value``); ``resolve()`` returns every metric as a detached 0-d float32 tensor."""
+
+    def __init__(self) -> None:
+        self._sums: list[torch.Tensor] = []
+        self._ratios: list[tuple[str, tuple, int | None, float]] = []
+        self._extremes: list[tuple[str, torch.Tensor, int | None, float, float]] = []
+        self._values: dict[str, torch.Tensor] = {}
+
+    def add(self, x: torch.Tensor) -> int:
+        """Register a 0-d sum (a count, a sum over tokens); returns its key."""
+        self._sums.append(x.reshape(()).float())
+        return len(self._sums) - 1
+
+    def ratio(self, name: str, num: dict[int, float], den: int | None = None, *,
+              offset: float = 0.0) -> None:
+        r"""``name = offset + (\sum_k c_k s_k) / s_{den}`` (``den=None``: no division; a zero
+        denominator gives ``offset``, as every numerator here is then 0 too)."""
+        self._ratios.append((name, tuple(sorted(num.items())), den, offset))
+
+    def extreme(self, name: str, x: torch.Tensor, *, empty: int | None = None, sign: float = 1.0,
+                fill: float = float("nan")) -> None:
+        """``name = sign * x`` where ``x`` is a 0-d maximum (pass ``-min`` with ``sign=-1`` for a
+        minimum); ``fill`` (NaN) when the sum ``empty`` (a count) is 0. Max-reduced over ranks."""
+        self._extremes.append((name, x.reshape(()).float(), empty, sign, fill))
+
+    def value(self, name: str, x: torch.Tensor) -> None:
+        """A metric computed elsewhere, passed through."""
+        self._values[name] = x
+
+    def resolve(self, group: object | None = None) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        n = len(self._sums)
+        local = full = None
+        if self._sums:
+            local = torch.stack(self._sums)
+            one = local.new_ones(1)
+            full = torch.cat([local if group is None else all_reduce_sum(local, group), one])
+        if self._ratios:
+            spec = tuple((terms, den, off) for _, terms, den, off in self._ratios)
+            coef, den, off = _tables(spec, n, full.device)
+            vals = torch.addcdiv(off, coef @ full, full[den].clamp(min=1e-30)).unbind()
+            out.update(zip((r[0] for r in self._ratios), vals))
+        if self._extremes:
+            ext = torch.stack([x for _, x, *_ in self._extremes])
+            spec = tuple((e, sign, fill) for _, _, e, sign, fill in self._extremes)
+            idx, signs, fills = _extreme_tables(spec, n, ext.device)
+            if group is not None:  # a shard without tokens must not move the others' extremes
+                local_counts = torch.cat([local, one])[idx] if local is not None else torch.ones_like(ext)
+                ext = all_reduce_max(torch.where(local_counts > 0, ext, float("-inf")), group)
+            present = full[idx] > 0 if full is not None else torch.ones_like(ext, dtype=torch.bool)
+            vals = torch.where(present, ext * signs, fills).unbind()
+            out.update(zip((e[0] for e in self._extremes), vals))
+        out.update(self._values)
+        return out
