@@ -27,7 +27,7 @@ def _trainer(config, out: str, *, batch: int, new_tokens: int):
 
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=batch,
                       max_completion_length=new_tokens, report_to=[], use_cpu=True, bf16=False,
-                      save_strategy="no", gradient_checkpointing=False, disable_tqdm=True)
+                      save_strategy="no", activation_checkpointing=False, disable_tqdm=True)
     return SparseGRPOTrainer(model=demo_model(), reward_funcs=recall_reward_text, args=args,
                              train_dataset=Dataset.from_dict({"prompt": ["<s> k1"]}),
                              processing_class=demo_tokenizer(), sparsecorr_config=config)

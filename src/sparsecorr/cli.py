@@ -1,8 +1,10 @@
 """The ``sparsecorr`` command.
 
-Subcommands live one per module in :mod:`sparsecorr.commands`; each module exposes
+Subcommands live one per module in `sparsecorr.commands`; each module exposes
 ``add_parser(subparsers)`` (cheap: builds the argparse parser only) and ``run(args) -> int``
-(imports the heavy machinery). ``sparsecorr --help`` therefore starts fast.
+(imports the heavy machinery). ``sparsecorr --help`` therefore starts fast. Other
+distributions add subcommands through the ``sparsecorr.commands`` entry-point group (the TRL
+glue provides ``demo``); a known one that is not installed prints what to install.
 """
 
 from __future__ import annotations
@@ -16,12 +18,33 @@ from . import __version__
 
 #: subcommand name -> module under sparsecorr.commands implementing it
 SUBCOMMANDS: dict[str, str] = {
-    "demo": "sparsecorr.commands.demo",
     "decode": "sparsecorr.commands.decode",
     "calibrate": "sparsecorr.commands.calibrate",
     "schedule": "sparsecorr.commands.schedule",
     "cost": "sparsecorr.commands.cost",
 }
+
+#: entry-point group through which other distributions add subcommands (same module protocol)
+PLUGIN_GROUP = "sparsecorr.commands"
+#: plug-in subcommands the docs describe -> (help, what to install when it is missing)
+KNOWN_PLUGINS: dict[str, tuple[str, str]] = {
+    "demo": ("run the end-to-end demo (needs the TRL glue)", "pip install 'sparsecorr[demo]'"),
+}
+
+
+def _plugin_modules() -> dict[str, str]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group=PLUGIN_GROUP)
+            if ep.name not in SUBCOMMANDS}
+
+
+def _add_missing(sub: argparse._SubParsersAction, name: str, why: str) -> None:
+    help_text, install = KNOWN_PLUGINS.get(name, (f"provided by a plug-in ({why})", why))
+    p = sub.add_parser(name, help=help_text, add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(_missing=f"not installed: {install}" + (f" ({why})" if why != install else ""),
+                   _name=name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,16 +57,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"sparsecorr {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
+    plugins = _plugin_modules()
+    for name, module_name in {**SUBCOMMANDS, **plugins}.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # a plug-in whose dependencies are missing
+            if name in SUBCOMMANDS:
+                raise
+            _add_missing(sub, name, str(exc))
+            continue
         p = module.add_parser(sub)
         p.set_defaults(_module=module_name, _name=name)
+    for name in KNOWN_PLUGINS.keys() - plugins.keys():
+        _add_missing(sub, name, KNOWN_PLUGINS[name][1])
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "_missing", None):
+        print(f"sparsecorr {args._name}: {args._missing}", file=sys.stderr)
+        return 2
     if getattr(args, "_module", None) is None:
         parser.print_help()
         return 0
