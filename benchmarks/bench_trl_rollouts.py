@@ -23,7 +23,7 @@ def _trainer(config, out: str, *, batch: int, new_tokens: int):
     from sparsecorr_trl import SparseGRPOTrainer
     from trl import GRPOConfig
 
-    from sparsecorr.demo.task import demo_model, demo_tokenizer, recall_reward_text
+    from sparsecorr_trl.demo.task import demo_model, demo_tokenizer, recall_reward_text
 
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=batch,
                       max_completion_length=new_tokens, report_to=[], use_cpu=True, bf16=False,
@@ -40,7 +40,7 @@ def main() -> None:
     setup(args.threads)
     from sparsecorr_trl import SparseCorrConfig
 
-    from sparsecorr.demo.task import make_prompts
+    from sparsecorr_trl.demo.task import make_prompts
 
     arms = [("TRL generate (baseline)", SparseCorrConfig()),
             ("sparsecorr dense", SparseCorrConfig(policy="dense")),

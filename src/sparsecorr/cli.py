@@ -41,10 +41,8 @@ def _plugin_modules() -> dict[str, str]:
 
 def _add_missing(sub: argparse._SubParsersAction, name: str, why: str) -> None:
     help_text, install = KNOWN_PLUGINS.get(name, (f"provided by a plug-in ({why})", why))
-    p = sub.add_parser(name, help=help_text, add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(_missing=f"not installed: {install}" + (f" ({why})" if why != install else ""),
-                   _name=name)
+    sub.add_parser(name, help=help_text, add_help=False).set_defaults(
+        _missing=f"not installed: {install}" + (f" ({why})" if why != install else ""), _name=name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "_missing", None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "_missing", None):
         print(f"sparsecorr {args._name}: {args._missing}", file=sys.stderr)
         return 2

@@ -60,10 +60,29 @@ def _init_ray(spec: dict[str, Any]) -> None:
                           "worker_process_setup_hook": "sparsecorr_openrlhf.hook.setup_worker"})
 
 
+def print_help() -> None:
+    """This launcher's flags, then OpenRLHF's own ``--help``; never starts Ray or patches
+    anything. OpenRLHF's launcher imports Ray at module level: without it, say so instead."""
+    print(__doc__)
+    print("OpenRLHF's own options (python -m openrlhf.cli.train_ppo_ray --help):\n", flush=True)
+    argv = sys.argv
+    sys.argv = ["openrlhf.cli.train_ppo_ray", "--help"]
+    try:
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    except SystemExit:
+        pass  # argparse exits after printing help
+    except ImportError as exc:
+        print(f"  (not shown: OpenRLHF's launcher needs {exc.name or exc}, which is not "
+              "installed here)")
+    finally:
+        sys.argv = argv
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+        print_help()
+        return
     spec, rest = parse_sparsecorr_args(argv)
     os.environ[ENV_VAR] = json.dumps(spec)
     install(spec)  # the driver process (and local, non-Ray runs)
