@@ -93,6 +93,22 @@ def test_sequence_is_sum_equals_verl_sequence_is_within_the_clamp(rc):
         torch.testing.assert_close(ours.weights, verl)
 
 
+def test_sequence_is_sum_clamps_each_token_where_verl_clamps_the_sum(rc):
+    """The documented difference: a token past ±20 counts ±20 in sparsecorr's sum (every ratio
+    here is formed from the per-token log-ratio clamped once), in full in verl's."""
+    old, rollout, mask = _batch(12, spread=0.01)
+    old[0, 0] = rollout[0, 0] + 25.0  # past the clamp
+    old[0, 1] = rollout[0, 1] - 10.0
+    ours = _correct(sequence_is(reduce="sum", cap=None), old, rollout, mask).weights
+    verl = _verl_weights(rc, old, rollout, mask, "sequence", 1e30)
+    others = torch.arange(mask.shape[0]) != 0
+    torch.testing.assert_close(ours[others], verl[others])  # no token past the clamp: equal
+    lr0 = (old[0] - rollout[0])[mask[0]]
+    torch.testing.assert_close(ours[0, 0], lr0.clamp(-20, 20).sum().clamp(-20, 20).exp(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(verl[0, 0], lr0.sum().clamp(-20, 20).exp(), rtol=1e-5, atol=0)
+    assert float(verl[0, 0] / ours[0, 0]) == pytest.approx(math.exp(5.0), rel=1e-3)  # x148
+
+
 def test_token_batch_normalisation_equals_verl_without_rejection(rc):
     """verl ``rollout_is=token`` + ``rollout_is_batch_normalize``: mean weight over the valid
     tokens is 1; with no rejection, the kept tokens are all valid tokens and the two agree."""
