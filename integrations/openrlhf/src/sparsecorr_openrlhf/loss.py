@@ -13,7 +13,7 @@ Same constructor keywords, same ``forward`` signature and the same return value
   DeepSpeed's gradient averaging, exactly as ``aggregate_loss`` does: the loss is invariant to
   how the batch is sharded.
 - Metrics (mismatch incl. tail quantiles of the log-ratio, and correction) are kept in
-  :attr:`SparsePolicyLoss.last_metrics`; when the hook has attached an experience's ``info``
+  `SparsePolicyLoss.last_metrics`; when the hook has attached an experience's ``info``
   dict they are written into it, and OpenRLHF's actor forwards ``info`` to its loggers.
 """
 
