@@ -21,9 +21,8 @@ from _common import machine, median_time, setup, table
 def _trainer(config, out: str, *, batch: int, new_tokens: int):
     from datasets import Dataset
     from sparsecorr_trl import SparseGRPOTrainer
-    from trl import GRPOConfig
-
     from sparsecorr_trl.demo.task import demo_model, demo_tokenizer, recall_reward_text
+    from trl import GRPOConfig
 
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=batch,
                       max_completion_length=new_tokens, report_to=[], use_cpu=True, bf16=False,
@@ -39,7 +38,6 @@ def main() -> None:
     args = ap.parse_args()
     setup(args.threads)
     from sparsecorr_trl import SparseCorrConfig
-
     from sparsecorr_trl.demo.task import make_prompts
 
     arms = [("TRL generate (baseline)", SparseCorrConfig()),

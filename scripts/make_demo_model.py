@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from sparsecorr_trl.demo.task import build_tokenizer, copy_targets, demo_model, make_prompts
 
 

@@ -4,8 +4,8 @@ report, the plots, failure reporting and the messages when something is missing.
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from importlib.metadata import entry_points
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,8 +14,8 @@ from sparsecorr.cli import main
 from sparsecorr.schedules import BudgetSchedule
 
 pytest.importorskip("trl")
-from sparsecorr_trl.demo import command, report  # noqa: E402
-from sparsecorr_trl.demo import run as demo_run  # noqa: E402
+from sparsecorr_trl.demo import command, report
+from sparsecorr_trl.demo import run as demo_run
 
 ARMS = set(demo_run.ARM_NAMES)
 PNGS = ("calibration.png", "curves.png", "memory_speed.png")

@@ -21,6 +21,7 @@ import torch
 
 from sparsecorr._modes import eval_mode
 from sparsecorr.decoding import Dense, generate
+
 from .task import (
     demo_model,
     demo_tokenizer,
