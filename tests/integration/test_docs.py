@@ -74,3 +74,74 @@ def test_benchmarks_page_renders_results_md(site):
         words = re.sub(r"[`*]", "", heading).split()[0]
         assert words in html, f"RESULTS.md section {heading!r} missing from the Benchmarks page"
     assert "--8&lt;--" not in html and "--8<--" not in html
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DOTTED = re.compile(r"`(sparsecorr(?:_trl|_openrlhf)?(?:\.[A-Za-z_]\w*)+)`")
+FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", flags=re.M | re.S)
+INLINE = re.compile(r"`([^`\n]+)`")
+
+
+def _commands(text: str) -> list[str]:
+    """What follows ``sparsecorr `` in code: fenced-block lines and inline code spans."""
+    snippets = [line for block in FENCED.findall(text) for line in block.splitlines()]
+    snippets += INLINE.findall(FENCED.sub("", text))
+    out = []
+    for snip in snippets:
+        snip = snip.split("#")[0].strip().removeprefix("$ ")
+        if snip.startswith("sparsecorr "):
+            out.append(snip.removeprefix("sparsecorr "))
+    return out
+
+
+def _resolve(dotted: str) -> bool:
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_every_dotted_name_in_the_docs_exists():
+    pytest.importorskip("trl")
+    missing = sorted({f"{doc.relative_to(ROOT)}: {name}" for doc in DOCS
+                      for name in DOTTED.findall(doc.read_text()) if not _resolve(name)})
+    assert not missing, "the docs name things that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_cli_invocation_in_the_docs_parses():
+    """Each ``sparsecorr COMMAND ...`` in the docs names a real subcommand and real options."""
+    from sparsecorr.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    wrong = []
+    for doc in DOCS:
+        for line in _commands(doc.read_text()):
+            words = [w.strip("[]") for w in line.split()]
+            if not words or words[0].startswith("-") or words[0].isupper():
+                continue  # `sparsecorr --help`, `sparsecorr COMMAND --help`
+            name, rest = words[0], words[1:]
+            parser = sub.choices.get(name)
+            if parser is None:
+                wrong.append(f"{doc.relative_to(ROOT)}: no subcommand {name!r}: sparsecorr {line}")
+                continue
+            flags = set(parser._option_string_actions)
+            positional = any(not a.option_strings for a in parser._actions)
+            for w in rest:
+                flag = w.split("=")[0]
+                if flag.startswith("--") and flag not in flags:
+                    wrong.append(f"{doc.relative_to(ROOT)}: {name} has no {flag}")
+            if rest and not rest[0].startswith("-") and not positional and rest[0] != "...":
+                wrong.append(f"{doc.relative_to(ROOT)}: {name} takes no {rest[0]!r}: "
+                             f"sparsecorr {line.strip()}")
+    assert not wrong, "\n".join(wrong)
