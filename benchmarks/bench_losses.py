@@ -38,7 +38,8 @@ from sparsecorr.losses import sparse_grpo
 from sparsecorr.mismatch import mismatch_metrics
 
 try:
-    from sparsecorr.correction import CorrectionInputs, sparse_rl
+    from sparsecorr.correction import sparse_rl
+    from sparsecorr.mismatch import measure
 except ImportError:  # pragma: no cover - correction layer not installed yet
     sparse_rl = None
 
@@ -95,7 +96,7 @@ def ours_no_mismatch(d):
 
 
 def correction_only(d):
-    return sparse_rl()(CorrectionInputs(old_logp=d["old"], rollout_logp=d["rollout"], mask=d["mask"]))
+    return sparse_rl()(measure(old_logp=d["old"], rollout_logp=d["rollout"], mask=d["mask"]))
 
 
 def mismatch_only(d):

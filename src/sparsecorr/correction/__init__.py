@@ -1,38 +1,39 @@
 """CORRECT: importance weights and rejection masks for sparse rollouts, composable, with presets.
 
-A correction is any callable ``(CorrectionInputs) -> Correction``; build one from the presets
-(``tis()``, ``sparse_rl()``, ``icepop()``, ``trl("token_truncate")`` ...), compose with
-``chain(...)``, or pick one by name with ``get_preset("sparse_rl", cap=1.5)``.
+A correction is a callable ``Mismatch -> Correction`` (the record comes from
+``sparsecorr.mismatch.measure``). Build one with a factory (``tis()``, ``sparse_rl()``,
+``icepop()``, ``trl(mode="token_truncate")`` ...), compose with ``chain(...)``, or pick one by
+name with ``get_preset("sparse_rl", cap=1.5)``. The factories are the public way to build a
+correction; the classes they return (``TIS``, ``SparseRL``, ...) live in
+``sparsecorr.correction.presets`` / ``.peers`` and are not constructed directly.
+
+The pure functions (``token_is_weights``, ``band_mask``, ``veto_mask`` ...) compute the same
+rules on a bare log-ratio tensor, for use outside a correction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import Chain, Correction, CorrectionFn, CorrectionInputs, chain, finalize, prepare
-from .masks import band_mask, divergence_mask, opsm_mask, tail_mask, veto_mask
-from .peers import TRL_MODES, OpenRLHFCorrection, TRLCorrection, openrlhf, trl
-from .presets import (
-    OPSM,
-    TIS,
-    BandMask,
-    BatchNormalized,
-    Divergence,
-    SequenceIS,
-    TailReject,
-    Veto,
+from .base import Correction, CorrectionFn, chain
+from .factories import (
+    batch_normalized,
     divergence,
     geo_rs,
     icepop,
     mis,
+    openrlhf,
     opsm,
     sequence_is,
     sparrow,
     sparse_rl,
     sparse_tail,
     tis,
+    trl,
     veto,
 )
+from .masks import band_mask, divergence_mask, opsm_mask, tail_mask, veto_mask
+from .peers import OPENRLHF_GATINGS, TRL_MODES
 from .weights import batch_normalize, sequence_is_weights, token_is_weights
 
 #: preset name -> factory (``get_preset`` passes the numbers through as keyword arguments)
@@ -53,17 +54,19 @@ PRESETS: dict[str, Callable[..., CorrectionFn]] = {
 }
 
 
-def get_preset(name: str, **numbers: object) -> CorrectionFn:
-    """A preset by name, e.g. ``get_preset("tis", cap=3.0)`` or ``get_preset("trl:token_mask")``.
+def get_preset(name: str, **numbers: object) -> CorrectionFn | None:
+    """A preset by name, e.g. ``get_preset("tis", cap=3.0)`` or
+    ``get_preset("trl", mode="token_mask")``; ``"none"`` returns None (no correction).
 
-    ``"trl:MODE"`` is shorthand for ``trl(mode=MODE)``; ``"none"`` returns None (no correction).
+    Raises:
+        ValueError: an unknown name, or numbers the preset does not take or refuses.
     """
     if name == "none":
-        return None  # type: ignore[return-value]
-    if name.startswith("trl:"):
-        return trl(mode=name.split(":", 1)[1], **numbers)  # type: ignore[arg-type]
+        if numbers:
+            raise ValueError(f"numbers: 'none' takes no numbers, got {sorted(numbers)}")
+        return None
     if name not in PRESETS:
-        raise ValueError(f"name: expected one of {sorted(PRESETS)} (or 'trl:MODE', 'none'), got {name!r}")
+        raise ValueError(f"name: expected one of {sorted(PRESETS)} or 'none', got {name!r}")
     try:
         return PRESETS[name](**numbers)
     except TypeError as exc:
@@ -71,28 +74,17 @@ def get_preset(name: str, **numbers: object) -> CorrectionFn:
 
 
 __all__ = [
-    "OPSM",
+    "OPENRLHF_GATINGS",
     "PRESETS",
-    "TIS",
     "TRL_MODES",
-    "BandMask",
-    "BatchNormalized",
-    "Chain",
     "Correction",
     "CorrectionFn",
-    "CorrectionInputs",
-    "Divergence",
-    "OpenRLHFCorrection",
-    "SequenceIS",
-    "TRLCorrection",
-    "TailReject",
-    "Veto",
     "band_mask",
     "batch_normalize",
+    "batch_normalized",
     "chain",
     "divergence",
     "divergence_mask",
-    "finalize",
     "geo_rs",
     "get_preset",
     "icepop",
@@ -100,7 +92,6 @@ __all__ = [
     "openrlhf",
     "opsm",
     "opsm_mask",
-    "prepare",
     "sequence_is",
     "sequence_is_weights",
     "sparrow",

@@ -1,206 +1,197 @@
-r"""The correction interface: inputs, the ``Correction`` result, composition.
+r"""The correction protocol: ``Mismatch -> Correction``, and composition with ``chain``.
 
-A *correction* is any callable ``(CorrectionInputs) -> Correction``. It turns the per-token
-sparse-to-dense mismatch \(\ell_t = \text{old\_logp}_t - \text{rollout\_logp}_t\) into detached
-importance weights \(w_t\) and a rejection mask; the loss
-(:func:`sparsecorr.losses.sparse_grpo`) multiplies each kept token's PPO term by \(w_t\) and
-drops rejected tokens from both its numerator and denominator. Corrections compose with
-[`chain`][sparsecorr.correction.chain] (weights multiply, masks AND, metrics merge), in the
-spirit of optax's composable gradient transformations.
+A *correction* is any callable that takes the batch's [`Mismatch`][sparsecorr.mismatch.Mismatch]
+record (built once by [`measure`][sparsecorr.mismatch.measure]) and returns a
+[`Correction`][sparsecorr.correction.Correction]: detached importance weights \(w_t\) and a
+rejection mask over the sparse-to-dense mismatch \(\ell_t = \text{old\_logp}_t -
+\text{rollout\_logp}_t\). The loss ([`sparse_grpo`][sparsecorr.losses.sparse_grpo]) multiplies
+each kept token's surrogate by \(w_t\) and drops rejected tokens from both its numerator and
+denominator. Corrections compose with [`chain`][sparsecorr.correction.chain] (weights multiply,
+masks AND, metrics merge), in the spirit of optax's composable gradient transformations.
 
-Non-finite rollout (or dense) log-probs never reach a loss: every correction starts from
-``clean_mask = mask & isfinite(old_logp) & isfinite(rollout_logp)`` and counts what it removed
-in ``correction/nonfinite_count``.
+Non-finite log-probs never reach a loss: a correction keeps only tokens of ``Mismatch.valid``
+and the standard metrics count the rest (``correction/nonfinite_count``). Metrics are computed
+lazily, on first access of ``Correction.metrics``, so a loss that does not log pays nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
-from .._checks import check_float_tensor, check_mask, check_same_shape, count, finite
+from .._checks import count
+from ..mismatch import Mismatch
 
-__all__ = [
-    "Chain",
-    "Correction",
-    "CorrectionFn",
-    "CorrectionInputs",
-    "chain",
-    "finalize",
-    "prepare",
-    "transform_of",
-]
+__all__ = ["Correction", "CorrectionFn", "chain"]
 
-LOG_CLAMP = 20.0
+#: a metric value, or a function computing it on first access (metrics are lazy)
+MetricValue = torch.Tensor | Callable[[], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class CorrectionInputs:
-    """What a correction may read. Tensors are ``[B, T]`` unless noted.
-
-    Attributes:
-        old_logp: dense model log-probs of the sampled tokens (rollout-time weights).
-        rollout_logp: sparse sampler log-probs of the same tokens.
-        mask: bool, True = the token counts.
-        acceptance: optional per-token acceptance rate in [0, 1] (Sparrow; ``sparse_tail``).
-        advantages: optional ``[B]`` or ``[B, T]`` advantages (OPSM).
-        logp: optional detached learner log-probs (OPSM reads the current policy when given).
-    """
-
-    old_logp: torch.Tensor
-    rollout_logp: torch.Tensor
-    mask: torch.Tensor
-    acceptance: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    logp: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        check_float_tensor("old_logp", self.old_logp, ndim=2)
-        check_float_tensor("rollout_logp", self.rollout_logp)
-        check_same_shape(old_logp=self.old_logp, rollout_logp=self.rollout_logp,
-                         acceptance=self.acceptance, logp=self.logp)
-        check_mask(self.mask, self.old_logp)
-        if self.advantages is not None and self.advantages.shape not in (
-            self.old_logp.shape, self.old_logp.shape[:1]
-        ):
-            raise ValueError(
-                f"advantages: expected shape {tuple(self.old_logp.shape[:1])} or "
-                f"{tuple(self.old_logp.shape)}, got {tuple(self.advantages.shape)}"
-            )
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Correction:
-    """Detached weights, a rejection mask and metrics for one batch.
+    r"""Detached weights, a rejection mask and (lazy) metrics for one batch.
 
     Attributes:
-        weights: ``[B, T]`` float32, detached, 0 where ``mask`` is False.
-        mask: ``[B, T]`` bool, a subset of the input mask (non-finite tokens removed).
-        metrics: detached 0-d tensors named ``correction/...``.
+        mask: bool, the tokens that stay in the loss (a subset of the source's valid tokens).
+        token_weights: float32 weights, 0 outside ``mask``, or ``None`` for weight 1 on every
+            kept token (a pure rejection). Read ``weights`` for a tensor in every case.
+        piece_metrics: correction-specific metrics (``correction/truncated_frac`` ...), each a
+            0-d tensor or a function computing it on first access.
+        source: the ``Mismatch`` it was computed from (for ``nonfinite_count`` and the
+            fractions of the input); ``None`` when built by hand.
 
     Shapes:
-        weights, mask: ``[B, T]``; ``sequence_mask``: ``[B]``.
+        mask, token_weights, weights: ``[B, T]``; sequence_mask: ``[B]``.
     """
 
-    weights: torch.Tensor
     mask: torch.Tensor
-    metrics: dict[str, torch.Tensor]
+    token_weights: torch.Tensor | None = None
+    piece_metrics: Mapping[str, MetricValue] = field(default_factory=dict)
+    source: Mismatch | None = None
 
-    @property
+    def __post_init__(self) -> None:
+        m = self.mask
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.dim() != 2:
+            raise ValueError(f"mask: expected a [B, T] bool tensor, got "
+                             f"{getattr(m, 'dtype', type(m).__name__)} {tuple(getattr(m, 'shape', ()))}")
+        w = self.token_weights
+        if w is not None and (not isinstance(w, torch.Tensor) or tuple(w.shape) != tuple(m.shape)
+                              or not w.is_floating_point()):
+            raise ValueError(f"token_weights: expected None or a float tensor of shape "
+                             f"{tuple(m.shape)}, got {getattr(w, 'dtype', type(w).__name__)} "
+                             f"{tuple(getattr(w, 'shape', ()))}")
+
+    @cached_property
+    def weights(self) -> torch.Tensor:
+        """float32 ``[B, T]`` weights, detached, 0 outside ``mask``."""
+        if self.token_weights is None:
+            return self.mask.float()
+        return self.token_weights.detach().float()
+
+    @cached_property
     def sequence_mask(self) -> torch.Tensor:
         """``[B]`` bool: sequences that keep at least one token (pass to ``group_advantages``)."""
         return self.mask.any(dim=-1)
 
+    @cached_property
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """Detached 0-d float32 tensors: the standard metrics (``kept_token_frac``,
+        ``kept_seq_frac``, ``ess``, ``weight_mean``/``weight_min``/``weight_max``,
+        ``nonfinite_count``) and the piece metrics, all named ``correction/...``."""
+        out = standard_metrics(self)
+        for name, value in self.piece_metrics.items():
+            out[name] = value() if callable(value) else value
+        return {k: v.detach().float().reshape(()) for k, v in out.items()}
 
-CorrectionFn = Callable[[CorrectionInputs], Correction]
+    def reweight(self, factor: torch.Tensor) -> Correction:
+        """The same correction with every weight multiplied by ``factor`` (detached); the mask
+        is unchanged. For rules that zero a token's loss but keep it in the denominator (TRL's
+        entropy mask and OPSM)."""
+        if not isinstance(factor, torch.Tensor) or tuple(factor.shape) != tuple(self.mask.shape):
+            raise ValueError(f"factor: expected a tensor of shape {tuple(self.mask.shape)}, got "
+                             f"{tuple(getattr(factor, 'shape', ())) or type(factor).__name__}")
+        w = self.weights * factor.detach().float()
+        return Correction(mask=self.mask, token_weights=w, piece_metrics=self.piece_metrics,
+                          source=self.source)
 
 
-def prepare(inputs: CorrectionInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(log_ratio, clean_mask, nonfinite_count)`` shared by every correction.
-
-    ``log_ratio`` is float32, clamped to ±20, 0 where ``clean_mask`` is False. A token is
-    clean when it is masked in and ``old_logp - rollout_logp`` is finite (NaN or ±inf in either
-    log-prob makes the difference non-finite).
-    """
-    raw = inputs.old_logp.detach().float() - inputs.rollout_logp.detach().float()
-    clean = inputs.mask & finite(raw)
-    lr = torch.where(clean, raw.clamp(-LOG_CLAMP, LOG_CLAMP), 0.0)
-    return lr, clean, count(inputs.mask) - count(clean)
+#: the one correction protocol
+CorrectionFn = Callable[[Mismatch], Correction]
 
 
-def finalize(
-    weights: torch.Tensor,
-    mask: torch.Tensor,
-    inputs: CorrectionInputs,
-    extra: dict[str, torch.Tensor] | None = None,
-    *,
-    nonfinite: torch.Tensor | None = None,
-) -> Correction:
-    """Build a :class:`Correction` with the standard metrics.
-
-    Standard metrics: ``kept_token_frac`` and ``kept_seq_frac`` (of the input's tokens and
-    non-empty sequences), ``ess`` (normalised effective sample size of the kept weights),
-    ``weight_mean``/``weight_min``/``weight_max`` over kept tokens, ``nonfinite_count``.
-    """
-    w = torch.where(mask, weights.detach().float(), 0.0)
+def standard_metrics(c: Correction) -> dict[str, torch.Tensor]:
+    """The metrics every correction reports, in five reductions over ``[B, T]``."""
     with torch.no_grad():
+        w, mask = c.weights, c.mask
         kept = count(mask)
-        s1, s2 = w.sum(), w.square().sum()
-        seq_in = inputs.mask.any(-1)
-        big = torch.tensor(float("inf"), device=w.device)
-        metrics = {
-            "correction/kept_token_frac": kept / count(inputs.mask).clamp(min=1),
-            "correction/kept_seq_frac": count(mask.any(-1) & seq_in) / count(seq_in).clamp(min=1),
+        kept1 = kept.clamp(min=1)
+        flat = w.reshape(-1)
+        s1, s2 = flat.sum(), torch.dot(flat, flat)
+        mean = s1 / kept1
+        # outside the mask put the mean, which lies inside [min, max] of the kept weights
+        lo, hi = torch.aminmax(torch.where(mask, w, mean)) if w.numel() else (mean, mean)
+        src = c.source
+        n_in = count(mask) if src is None else src.input_tokens
+        rows_in = mask.any(-1) if src is None else src.input_rows
+        nan = torch.full((), float("nan"), device=w.device)
+        return {
+            "correction/kept_token_frac": kept / n_in.clamp(min=1),
+            "correction/kept_seq_frac": count(c.sequence_mask & rows_in) / count(rows_in).clamp(min=1),
             # normalised ESS (sum w)^2 / (n sum w^2), 0 when nothing is kept
             "correction/ess": torch.where(s2 > 0, s1.square() / (kept * s2).clamp(min=1e-30), 0.0),
-            "correction/weight_mean": s1 / kept.clamp(min=1),
-            "correction/weight_min": torch.where(kept > 0, torch.where(mask, w, big).amin(), 0.0),
-            "correction/weight_max": w.amax() if w.numel() else torch.zeros(()),
+            "correction/weight_mean": mean,
+            "correction/weight_min": torch.where(kept > 0, lo, nan),
+            "correction/weight_max": torch.where(kept > 0, hi, nan),
+            "correction/nonfinite_count": torch.zeros(()) if src is None else src.nonfinite,
         }
-        if nonfinite is None:
-            nonfinite = prepare(inputs)[2]
-        metrics["correction/nonfinite_count"] = nonfinite
-        metrics.update(extra or {})
-    return Correction(weights=w, mask=mask,
-                      metrics={k: v.detach().float().reshape(()) for k, v in metrics.items()})
 
 
-def transform_of(piece: CorrectionFn, inputs: CorrectionInputs, lr: torch.Tensor,
-                 clean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(weights, kept, extra_metrics)`` of one piece, without building a Correction.
+def frac(part: torch.Tensor, whole: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A lazy metric: ``count(part) / count(whole)`` (0 when ``whole`` is empty)."""
+    return lambda: count(part) / count(whole).clamp(min=1)
 
-    Presets expose ``transform(inputs, lr, clean)`` so a chain prepares the log-ratio once and
-    computes the standard metrics once; any other callable is simply called.
-    """
-    if hasattr(piece, "transform"):
-        return piece.transform(inputs, lr, clean)
-    c = piece(inputs)
-    return c.weights, c.mask & clean, _piece_metrics(c.metrics)
+
+def seqs(part: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A lazy metric: the number of True entries of a ``[B]`` mask."""
+    return lambda: count(part)
 
 
 @dataclass(frozen=True)
 class Chain:
-    """Several corrections applied to the same inputs: weights multiply, masks AND.
+    """Several corrections applied to the same record: weights multiply, masks AND.
 
-    Piece-specific metrics (``truncated_frac``, ``vetoed_seqs``, ...) are merged (a later piece
-    wins a name clash); the standard metrics are computed once, on the combined result.
+    Piece metrics merge (a later piece wins a name clash); the standard metrics are computed
+    once, lazily, on the combined result. Build with [`chain`][sparsecorr.correction.chain].
     """
 
     pieces: tuple[CorrectionFn, ...]
 
-    def transform(self, inputs: CorrectionInputs, lr: torch.Tensor, clean: torch.Tensor):
-        weights, mask, extra = None, clean, {}
+    def __call__(self, mm: Mismatch) -> Correction:
+        mask, weights, metrics = None, None, {}
+        mask_only = False
         for piece in self.pieces:
-            w, kept, metrics = transform_of(piece, inputs, lr, clean)
-            weights = w if weights is None else weights * w
-            mask = mask & kept
-            extra.update(metrics)
-        return weights, mask, extra
-
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        lr, clean, nonfinite = prepare(inputs)
-        weights, mask, extra = self.transform(inputs, lr, clean)
-        return finalize(weights, mask, inputs, extra, nonfinite=nonfinite)
-
-
-_STANDARD = ("kept_token_frac", "kept_seq_frac", "ess", "weight_mean", "weight_min",
-             "weight_max", "nonfinite_count")
-
-
-def _piece_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in metrics.items() if k.split("/", 1)[-1] not in _STANDARD}
+            c = piece(mm)
+            if not isinstance(c, Correction):
+                raise ValueError(f"corrections: expected {piece!r} to return a Correction, got "
+                                 f"{type(c).__name__}")
+            mask = c.mask if mask is None else mask & c.mask
+            if c.token_weights is None:
+                mask_only = True
+            else:
+                weights = c.token_weights if weights is None else weights * c.token_weights
+            metrics.update(c.piece_metrics)
+        if weights is not None and mask_only:
+            # every weight piece is 0 outside its own mask; a pure rejection is not
+            weights = torch.where(mask, weights, 0.0)
+        return Correction(mask=mask, token_weights=weights, piece_metrics=metrics, source=mm)
 
 
 def chain(*corrections: CorrectionFn) -> Chain:
     """Compose corrections: ``chain(tis(cap=2.0), veto(1e-4))``.
 
-    Weights multiply, masks AND, metrics merge; each piece sees the original inputs.
+    Weights multiply, masks AND, metrics merge; each piece sees the original record.
+
+    Example:
+        >>> import torch
+        >>> from sparsecorr.correction import chain, tis, veto
+        >>> from sparsecorr.mismatch import measure
+        >>> old = torch.log(torch.tensor([[0.5, 0.9], [1e-6, 0.5]]))
+        >>> roll = torch.log(torch.tensor([[0.25, 0.9], [0.5, 0.5]]))
+        >>> c = chain(tis(cap=1.5), veto(1e-4))(measure(old, roll, torch.ones(2, 2, dtype=torch.bool)))
+        >>> c.weights
+        tensor([[1.5000, 1.0000],
+                [0.0000, 0.0000]])
+        >>> float(c.metrics["correction/vetoed_seqs"])
+        1.0
     """
     if not corrections:
         raise ValueError("corrections: expected at least one correction, got none")
     for i, c in enumerate(corrections):
         if not callable(c):
-            raise ValueError(f"corrections[{i}]: expected a callable correction, got {type(c).__name__}")
+            raise ValueError(f"corrections[{i}]: expected a callable Mismatch -> Correction, "
+                             f"got {type(c).__name__}")
     return Chain(tuple(corrections))

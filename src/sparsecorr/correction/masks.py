@@ -19,7 +19,7 @@ import math
 import torch
 
 from .._checks import check_choice, check_float_tensor, check_mask, check_probability
-from ..mismatch import masked_quantile, sequence_log_ratio
+from ..mismatch import LOG_RATIO_CLAMP, masked_quantile, sequence_log_ratio
 
 __all__ = ["band_mask", "divergence_mask", "opsm_mask", "tail_mask", "veto_mask"]
 
@@ -96,7 +96,7 @@ def divergence_mask(
         raise ValueError(f"threshold: expected a number >= 0, got {threshold!r}")
     raw = old_logp.detach().float() - rollout_logp.detach().float()
     valid = mask & torch.isfinite(raw)
-    lr = torch.where(valid, raw.clamp(-20, 20), 0.0)
+    lr = torch.where(valid, raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
     k = 0.5 * lr.square() if estimator == "k2" else torch.expm1(lr) - lr
     if reduce == "max":
         stat = torch.where(valid, k, 0.0).amax(-1)

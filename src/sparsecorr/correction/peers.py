@@ -20,22 +20,27 @@ Definitional differences kept on purpose (shared/BASELINES.md):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .._checks import check_choice, count
-from .base import CorrectionInputs
-from .presets import _Piece
+from ..mismatch import LOG_RATIO_CLAMP, Mismatch
+from .base import Correction
 
-__all__ = ["OPENRLHF_GATINGS", "TRL_MODES", "OpenRLHFCorrection", "TRLCorrection", "openrlhf", "trl"]
+__all__ = ["OPENRLHF_GATINGS", "TRL_MODES", "OpenRLHFCorrection", "TRLCorrection"]
 
 TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 OPENRLHF_GATINGS = ("ratio", "binary_kl", "tv")
 
 
+def _filtered_frac(outside: torch.Tensor, mm: Mismatch):
+    return lambda: count(outside & mm.valid) / mm.tokens.clamp(min=1)
+
+
 @dataclass(frozen=True)
-class TRLCorrection(_Piece):
+class TRLCorrection:
     """TRL 1.16's vLLM importance-sampling correction (see the module docstring)."""
 
     mode: str = "sequence_mask"
@@ -45,29 +50,26 @@ class TRLCorrection(_Piece):
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, TRL_MODES)
 
-    def transform(self, inputs: CorrectionInputs, lr: torch.Tensor, clean: torch.Tensor):
+    def __call__(self, mm: Mismatch) -> Correction:
+        lr = mm.log_ratio
         if self.mode.startswith("sequence"):
-            lr = lr.sum(-1, keepdim=True).clamp(-20.0, 20.0).expand_as(lr)
+            lr = lr.sum(-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expand_as(lr)
         ratio = lr.exp()
-        lo = -torch.inf if self.clip_min is None else self.clip_min
-        hi = torch.inf if self.clip_max is None else self.clip_max
+        lo = -math.inf if self.clip_min is None else self.clip_min
+        hi = math.inf if self.clip_max is None else self.clip_max
         outside = (ratio < lo) | (ratio > hi)
         if self.mode.endswith("truncate"):
             w = ratio.clamp(min=self.clip_min, max=self.clip_max)
-            extra = {"correction/truncated_frac": count(clean & outside) / count(clean).clamp(min=1)}
+            name = "correction/truncated_frac"
         else:
             w = ratio.masked_fill(outside, 0.0)
-            extra = {"correction/band_rejected_frac": count(clean & outside) / count(clean).clamp(min=1)}
-        return w, clean, extra
-
-
-def trl(mode: str = "sequence_mask", clip_min: float | None = None, clip_max: float | None = 3.0) -> TRLCorrection:
-    """TRL 1.16 ``vllm_importance_sampling_mode`` (default ``sequence_mask``, ``clip_max=3``)."""
-    return TRLCorrection(mode=mode, clip_min=clip_min, clip_max=clip_max)
+            name = "correction/band_rejected_frac"
+        return Correction(mask=mm.valid, token_weights=w * mm.valid,
+                          piece_metrics={name: _filtered_frac(outside, mm)}, source=mm)
 
 
 @dataclass(frozen=True)
-class OpenRLHFCorrection(_Piece):
+class OpenRLHFCorrection:
     """OpenRLHF 0.11 ``PolicyLoss`` correction (``is_correction_*``; see the module docstring)."""
 
     level: str = "token"
@@ -87,48 +89,44 @@ class OpenRLHFCorrection(_Piece):
             raise ValueError(f"threshold: gating={self.gating!r} takes an upper bound only "
                              f"(low must be <= 0), got {self.threshold!r}")
 
-    def _stat(self, inputs: CorrectionInputs, lr: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
+    def _stat(self, mm: Mismatch) -> torch.Tensor:
         seq = self.level == "seq"
+        lr, clean = mm.log_ratio, mm.valid
         if self.gating == "ratio":
             if seq:
-                return (lr.sum(-1, keepdim=True) / clean.sum(-1, keepdim=True).clamp(min=1)).exp()
+                return (lr.sum(-1, keepdim=True) / count(clean, dim=-1, keepdim=True).clamp(min=1)).exp()
             return lr.exp()
-        p = inputs.rollout_logp.detach().float().exp().clamp(1e-6, 1 - 1e-6)
-        q = inputs.old_logp.detach().float().exp().clamp(1e-6, 1 - 1e-6)
+        p = mm.rollout_logp.detach().float().exp().clamp(1e-6, 1 - 1e-6)
+        q = mm.old_logp.detach().float().exp().clamp(1e-6, 1 - 1e-6)
         if self.gating == "binary_kl":
             stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
         else:
             stat = (p - q).abs()
         stat = torch.where(clean, stat, 0.0)
         if seq:
-            stat = stat.sum(-1, keepdim=True) / clean.sum(-1, keepdim=True).clamp(min=1)
+            stat = stat.sum(-1, keepdim=True) / count(clean, dim=-1, keepdim=True).clamp(min=1)
         return stat
 
-    def transform(self, inputs: CorrectionInputs, lr: torch.Tensor, clean: torch.Tensor):
+    def __call__(self, mm: Mismatch) -> Correction:
+        clean = mm.valid
         if self.level == "off":
-            return clean.float(), clean, {}
+            return Correction(mask=clean, source=mm)
         low, high = self.threshold
-        stat = self._stat(inputs, lr, clean)
+        stat = self._stat(mm)
         if self.mode == "clip":
             w = stat.clamp(min=low, max=high)
             filtered = (stat < low) | (stat > high)
         else:
             keep = (stat >= low) & (stat <= high)
-            w = torch.where(keep, lr.exp(), 0.0)
+            w = torch.where(keep, mm.log_ratio.exp(), 0.0)
             filtered = ~keep
-        filtered = filtered.expand_as(lr)
+        filtered = filtered.expand_as(clean)
         if self.level == "seq":
             # OpenRLHF averages over every row; an empty row's statistic is 0/0 = NaN there,
             # which fails the band test, so it counts as filtered (its weight is moot)
-            frac = (filtered[:, 0] | ~clean.any(-1)).float().mean()
+            frac = (lambda: (filtered[:, 0] | ~clean.any(-1)).float().mean()) if clean.shape[-1] \
+                else torch.zeros(())
         else:
-            frac = count(filtered & clean) / count(clean).clamp(min=1)
-        return w, clean, {"correction/is_filter_ratio": frac}
-
-
-def openrlhf(
-    level: str = "token", mode: str = "mask", gating: str = "ratio",
-    threshold: tuple[float, float] = (0.5, 5.0),
-) -> OpenRLHFCorrection:
-    """OpenRLHF 0.11 ``PolicyLoss(is_correction_level, _mode, _gating, _threshold)``."""
-    return OpenRLHFCorrection(level=level, mode=mode, gating=gating, threshold=tuple(threshold))
+            frac = _filtered_frac(filtered, mm)
+        return Correction(mask=clean, token_weights=w * clean,
+                          piece_metrics={"correction/is_filter_ratio": frac}, source=mm)

@@ -1,8 +1,9 @@
-"""Presets: frozen dataclasses with the paper's numbers as defaults, each citing its source.
+r"""Correction pieces: frozen dataclasses, each a callable ``Mismatch -> Correction``.
 
-Every preset is a callable ``(CorrectionInputs) -> Correction`` with a readable ``repr`` (its
-numbers), so it can be logged, compared and stored in a config. The factories (``tis()``,
-``sparse_rl()``, ...) are the public way to build them.
+Build them with the factories of [`sparsecorr.correction`][sparsecorr.correction] (``tis()``,
+``sparse_rl()``, ...), which carry the papers' numbers as defaults; the classes are the
+factories' results (readable ``repr``, comparable, storable in a config). Every piece reads the
+record's clamped log-ratio \(\ell_t\) (0 outside ``valid``) and never keeps a non-valid token.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import count
-from .base import Chain, Correction, CorrectionInputs, chain, finalize, prepare, transform_of
-from .masks import band_mask, divergence_mask, opsm_mask, tail_mask, veto_mask
-from .weights import batch_normalize, sequence_is_weights, token_is_weights
+from .._dist import all_reduce_sum
+from ..mismatch import LOG_RATIO_CLAMP, Mismatch, masked_quantile
+from .base import Correction, CorrectionFn, seqs
 
 __all__ = [
     "OPSM",
@@ -24,221 +25,245 @@ __all__ = [
     "BatchNormalized",
     "Divergence",
     "SequenceIS",
+    "SparseRL",
     "TailReject",
     "Veto",
-    "divergence",
-    "geo_rs",
-    "icepop",
-    "mis",
-    "opsm",
-    "sequence_is",
-    "sparrow",
-    "sparse_rl",
-    "sparse_tail",
-    "tis",
-    "veto",
 ]
 
-
-def _frac(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    return count(part) / count(whole).clamp(min=1)
+LEVELS = ("token", "sequence", "geometric")
 
 
-class _Piece:
-    """``__call__`` = prepare once, ``transform``, finalize once (standard metrics)."""
+def _log(x: float | None, default: float | None) -> float | None:
+    """``log(x)`` for a ratio bound; ``default`` (None = no bound) at 0 / None / inf."""
+    if x is None or x == math.inf:
+        return default
+    return math.log(x) if x > 0 else default
 
-    def __call__(self, inputs: CorrectionInputs) -> Correction:
-        lr, clean, nonfinite = prepare(inputs)
-        weights, kept, extra = self.transform(inputs, lr, clean)
-        return finalize(weights, kept, inputs, extra, nonfinite=nonfinite)
+
+def row_log_ratio(mm: Mismatch, reduce: str) -> torch.Tensor:
+    r"""``[B]``: \(\sum_t \ell_t\) (``"sum"``, clamped to ±20) or \(\bar\ell\) over valid tokens."""
+    s = mm.log_ratio.sum(-1)
+    if reduce == "mean":
+        return s / count(mm.valid, dim=-1).clamp(min=1)
+    return s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _in_band(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
+    """``lo <= x <= hi`` in two kernels (``clamp`` leaves exactly the in-band entries unchanged)."""
+    return torch.clamp(x, lo, hi) == x
 
 
 @dataclass(frozen=True)
-class TIS(_Piece):
+class TIS:
     """Truncated token-level IS: ``w_t = clamp(r_t, floor, cap)`` (Yao et al., 2025)."""
 
     cap: float | None = 2.0
     floor: float = 0.0
 
-    def transform(self, inputs, lr, clean):
-        w = token_is_weights(lr, clean, cap=self.cap, floor=self.floor)
-        hi = math.inf if self.cap is None else math.log(self.cap)
-        lo = math.log(self.floor) if self.floor > 0 else -math.inf
-        truncated = clean & ((lr > hi) | (lr < lo))
-        return w, clean, {"correction/truncated_frac": _frac(truncated, clean)}
+    def __call__(self, mm: Mismatch) -> Correction:
+        lo, hi = _log(self.floor, None), _log(self.cap, None)
+        lr, valid = mm.log_ratio, mm.valid
+        w = lr.exp().clamp_(min=self.floor, max=self.cap).mul_(valid)
+        outside = (lambda: valid & ~_in_band(lr, lo, hi)) if (lo, hi) != (None, None) else None
+        metrics = {"correction/truncated_frac": (lambda: count(outside()) / mm.tokens.clamp(min=1))
+                   if outside else torch.zeros(())}
+        return Correction(mask=valid, token_weights=w, piece_metrics=metrics, source=mm)
 
 
 @dataclass(frozen=True)
-class SequenceIS(_Piece):
-    """Sequence-level IS: product (``reduce="sum"``) or geometric mean (``"mean"``) of ratios."""
+class SequenceIS:
+    r"""Sequence-level IS: product (``reduce="sum"``: \(e^{\mathrm{clamp}(\sum_t \ell_t, \pm20)}\))
+    or geometric mean (``"mean"``: \(e^{\bar\ell}\)) of the token ratios, truncated to
+    ``[floor, cap]``, broadcast to the row's valid tokens."""
 
     reduce: str = "mean"
     cap: float | None = None
     floor: float = 0.0
 
-    def transform(self, inputs, lr, clean):
-        return sequence_is_weights(lr, clean, reduce=self.reduce, cap=self.cap, floor=self.floor), clean, {}
+    def __call__(self, mm: Mismatch) -> Correction:
+        w = row_log_ratio(mm, self.reduce).exp().clamp(min=self.floor, max=self.cap)
+        return Correction(mask=mm.valid, token_weights=w[:, None] * mm.valid, source=mm)
 
 
 @dataclass(frozen=True)
-class BandMask(_Piece):
-    """Reject outside ``[low, high]``; ``reweight`` keeps the ratio at the band's level as weight."""
+class BandMask:
+    """Reject outside ``[low, high]`` (token ratio, sequence product or geometric mean);
+    ``reweight`` keeps the ratio at the band's level as the weight (MIS), else weight 1."""
 
     low: float
     high: float
     level: str = "token"
     reweight: bool = False
 
-    def transform(self, inputs, lr, clean):
-        kept = band_mask(lr, clean, low=self.low, high=self.high, level=self.level)
-        if not self.reweight:
-            w = kept.float()
-        elif self.level == "token":
-            w = token_is_weights(lr, kept, cap=None)
+    def __call__(self, mm: Mismatch) -> Correction:
+        lo, hi = _log(self.low, None), _log(self.high, None)
+        if self.level == "token":
+            stat = mm.log_ratio
+            keep = _in_band(stat, lo, hi).logical_and_(mm.valid)
         else:
-            reduce = "sum" if self.level == "sequence" else "mean"
-            w = sequence_is_weights(lr, kept, reduce=reduce, cap=None)
-        return w, kept, {"correction/band_rejected_frac": _frac(clean & ~kept, clean)}
+            stat = row_log_ratio(mm, "sum" if self.level == "sequence" else "mean")
+            keep = mm.valid & _in_band(stat, lo, hi)[:, None]
+        w = None
+        if self.reweight:
+            w = (stat.exp() if self.level == "token" else stat.exp()[:, None]) * keep
+        rejected = {"correction/band_rejected_frac": lambda: 1.0 - count(keep) / mm.tokens.clamp(min=1)}
+        return Correction(mask=keep, token_weights=w, piece_metrics=rejected, source=mm)
 
 
 @dataclass(frozen=True)
-class Veto(_Piece):
-    """Drop a sequence if any token ratio is below ``threshold`` (Sparse-RL: 1e-4)."""
+class Veto:
+    """Drop a sequence if any valid token's ratio is below ``threshold`` (Sparse-RL: 1e-4)."""
 
     threshold: float = 1e-4
 
-    def transform(self, inputs, lr, clean):
-        kept = veto_mask(lr, clean, threshold=self.threshold)
-        vetoed = count(clean.any(-1) & ~kept.any(-1))
-        return kept.float(), kept, {"correction/vetoed_seqs": vetoed}
+    def __call__(self, mm: Mismatch) -> Correction:
+        bad = _veto_rows(mm, self.threshold)
+        keep = mm.valid & ~bad[:, None]
+        return Correction(mask=keep, piece_metrics={"correction/vetoed_seqs": seqs(mm.valid_rows & bad)},
+                          source=mm)
+
+
+def _veto_rows(mm: Mismatch, threshold: float) -> torch.Tensor:
+    """``[B]`` bool: rows with a valid token of ratio below ``threshold``."""
+    t = math.log(threshold)
+    below = mm.log_ratio < t
+    if t >= 0:  # padding holds log-ratio 0, which would count as "below"
+        below &= mm.valid
+    return below.any(-1) if below.shape[-1] else torch.zeros(below.shape[0], dtype=torch.bool)
 
 
 @dataclass(frozen=True)
-class Divergence(_Piece):
-    """Drop sequences whose max/mean k2 or k3 exceeds ``threshold`` (verl ``seq_max_k3`` ...)."""
+class Divergence:
+    r"""Drop sequences whose max (or mean) per-token \(k_2 = \ell^2/2\) or
+    \(k_3 = e^\ell - 1 - \ell\) exceeds ``threshold`` (verl ``seq_max_k3``, ``seq_mean_k2`` ...)."""
 
     threshold: float
     estimator: str = "k3"
     reduce: str = "max"
 
-    def transform(self, inputs, lr, clean):
-        kept = divergence_mask(inputs.old_logp, inputs.rollout_logp, clean,
-                               estimator=self.estimator, reduce=self.reduce, threshold=self.threshold)
-        rejected = count(clean.any(-1) & ~kept.any(-1))
-        return kept.float(), kept, {"correction/divergence_rejected_seqs": rejected}
+    def __call__(self, mm: Mismatch) -> Correction:
+        lr = mm.log_ratio
+        k = 0.5 * lr.square() if self.estimator == "k2" else torch.expm1(lr) - lr  # 0 where invalid
+        if lr.shape[-1] == 0:
+            stat = torch.zeros(lr.shape[0], device=lr.device)
+        elif self.reduce == "max":
+            stat = k.amax(-1)
+        else:
+            stat = k.sum(-1) / count(mm.valid, dim=-1).clamp(min=1)
+        bad = stat > self.threshold
+        return Correction(mask=mm.valid & ~bad[:, None],
+                          piece_metrics={"correction/divergence_rejected_seqs": seqs(mm.valid_rows & bad)},
+                          source=mm)
 
 
 @dataclass(frozen=True)
-class TailReject(_Piece):
-    """Drop sequences whose own ``q``-quantile of acceptance is below ``tau`` (needs acceptance)."""
+class TailReject:
+    """Drop sequences whose own ``q``-quantile of the acceptance rate is below ``tau``
+    (Sparrow's tail statistic per sequence); needs ``Mismatch.acceptance``."""
 
     q: float = 0.05
     tau: float = 0.86
 
-    def transform(self, inputs, lr, clean):
-        if inputs.acceptance is None:
+    def __call__(self, mm: Mismatch) -> Correction:
+        if mm.acceptance is None:
             raise ValueError("acceptance: the tail rejection needs per-token acceptance rates "
-                             "(CorrectionInputs.acceptance), got None")
-        clean = clean & torch.isfinite(inputs.acceptance)
-        kept = tail_mask(inputs.acceptance, clean, q=self.q, tau=self.tau)
-        rejected = count(clean.any(-1) & ~kept.any(-1))
-        return kept.float(), kept, {"correction/tail_rejected_seqs": rejected}
+                             "(measure(..., acceptance=...)), got None")
+        acc = mm.acceptance.detach().float()
+        clean = mm.valid & (acc.abs() < math.inf)
+        if acc.shape[-1] == 0:
+            ok = torch.zeros(acc.shape[0], dtype=torch.bool, device=acc.device)
+        else:
+            ok = masked_quantile(acc, clean, self.q, dim=1) >= self.tau  # NaN (empty row) fails
+        keep = clean & ok[:, None]
+        return Correction(mask=keep, piece_metrics={
+            "correction/tail_rejected_seqs": seqs(clean.any(-1) & ~ok)}, source=mm)
 
 
 @dataclass(frozen=True)
-class OPSM(_Piece):
-    """DeepSeek-V3.2 off-policy sequence masking (needs advantages; drift to ``logp`` if given)."""
+class OPSM:
+    r"""Off-policy sequence masking (DeepSeek-V3.2): drop a sequence when its advantage is
+    negative and its mean drift \(-\bar\ell\) exceeds ``delta``; the drift is to the learner
+    (``Mismatch.logp``) when given, else to the dense model. Needs ``Mismatch.advantages``."""
 
     delta: float
 
-    def transform(self, inputs, lr, clean):
-        if inputs.advantages is None:
-            raise ValueError("advantages: OPSM needs advantages (CorrectionInputs.advantages), got None")
-        if inputs.logp is not None:
-            drift = inputs.logp.detach().float() - inputs.rollout_logp.detach().float()
-            clean = clean & torch.isfinite(drift)
-            lr = torch.where(clean, drift.clamp(-20, 20), 0.0)
-        kept = opsm_mask(lr, clean, inputs.advantages, delta=self.delta)
-        rejected = count(clean.any(-1) & ~kept.any(-1))
-        return kept.float(), kept, {"correction/opsm_rejected_seqs": rejected}
+    def __call__(self, mm: Mismatch) -> Correction:
+        if mm.advantages is None:
+            raise ValueError("advantages: OPSM needs advantages (sparse_grpo passes them; or "
+                             "measure(..., advantages=...)), got None")
+        valid, lr = mm.valid, mm.log_ratio
+        if mm.logp is not None:
+            raw = mm.logp.float() - mm.rollout_logp.detach().float()
+            valid = valid & (raw.abs() < math.inf)
+            lr = torch.where(valid, raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
+        adv = mm.advantages.detach().float()
+        if adv.dim() == 2 and adv.shape[1] != 1:  # per-token advantages: the sign of the row mean
+            adv = torch.where(valid, adv, 0.0).sum(-1) / count(valid, dim=-1).clamp(min=1)
+        adv = adv.reshape(-1)
+        drift = -lr.sum(-1) / count(valid, dim=-1).clamp(min=1)
+        bad = (adv < 0) & (drift > self.delta)
+        return Correction(mask=valid & ~bad[:, None], piece_metrics={
+            "correction/opsm_rejected_seqs": seqs(valid.any(-1) & bad)}, source=mm)
+
+
+def _normalize(c: Correction, group: object | None) -> Correction:
+    """Rescale ``c``'s weights so their mean over kept tokens (of every rank) is 1."""
+    if c.token_weights is None:  # every kept weight is 1 already
+        return c
+    w = c.token_weights
+    total = all_reduce_sum(torch.stack([w.sum(), count(c.mask)]), group)
+    scale = torch.where(total[0] > 0, total[1] / total[0].clamp(min=1e-30), 1.0)
+    return Correction(mask=c.mask, token_weights=w * scale, piece_metrics=c.piece_metrics,
+                      source=c.source)
 
 
 @dataclass(frozen=True)
-class BatchNormalized(_Piece):
+class BatchNormalized:
     """Wrap a correction so its kept weights average 1 over the batch (all ranks of ``group``)."""
 
-    inner: object
+    inner: CorrectionFn
     group: object | None = None
 
-    def transform(self, inputs, lr, clean):
-        w, kept, extra = transform_of(self.inner, inputs, lr, clean)
-        return batch_normalize(w, kept, group=self.group), kept, extra
+    def __call__(self, mm: Mismatch) -> Correction:
+        return _normalize(self.inner(mm), self.group)
 
     def __repr__(self) -> str:
         return f"BatchNormalized({self.inner!r})"
 
 
+@dataclass(frozen=True)
+class SparseRL:
+    """Sparse-RL's correction, fused: token TIS at ``cap``, token band ``[low, high]``, sequence
+    veto below ``veto_threshold``, then batch normalisation (over ``group``). Equal to
+    ``batch_normalized(chain(tis(cap), icepop(low, high), veto(veto_threshold)))`` in fewer
+    passes (tested bit for bit)."""
 
+    cap: float = 1.5
+    low: float = 0.5
+    high: float = 1.5
+    veto_threshold: float = 1e-4
+    group: object | None = None
 
-def tis(cap: float = 2.0, floor: float = 0.0) -> TIS:
-    """Truncated IS, token level, cap 2 (Yao et al., "Your efficient RL framework secretly
-    brings you off-policy RL training", 2025)."""
-    return TIS(cap=cap, floor=floor)
+    def __call__(self, mm: Mismatch) -> Correction:
+        lr, valid = mm.log_ratio, mm.valid
+        lo, hi, cap = _log(self.low, None), _log(self.high, None), _log(self.cap, None)
+        c = torch.clamp(lr, lo, hi)
+        in_band = (c == lr).logical_and_(valid)
+        bad = _veto_rows(mm, self.veto_threshold)
+        keep = in_band & ~bad[:, None]
+        w = c.exp_()  # on kept tokens lr is inside the band: c == lr there
+        if cap is not None and (hi is None or cap < hi):
+            w.clamp_(max=self.cap)
+        w.mul_(keep)
+        metrics = {
+            "correction/truncated_frac": (lambda: count(valid & (lr > cap)) / mm.tokens.clamp(min=1))
+            if cap is not None else torch.zeros(()),
+            "correction/band_rejected_frac": lambda: 1.0 - count(in_band) / mm.tokens.clamp(min=1),
+            "correction/vetoed_seqs": seqs(mm.valid_rows & bad),
+        }
+        return _normalize(Correction(mask=keep, token_weights=w, piece_metrics=metrics, source=mm),
+                          self.group)
 
-
-def sequence_is(reduce: str = "mean", cap: float | None = None, floor: float = 0.0) -> SequenceIS:
-    """Sequence IS: ``reduce="sum"`` is the product of ratios (vanishes on long outputs, TRL
-    #5814); ``"mean"`` (default) the geometric mean."""
-    return SequenceIS(reduce=reduce, cap=cap, floor=floor)
-
-
-def mis(low: float = 0.5, high: float = 2.0, level: str = "token") -> BandMask:
-    """Masked IS: weight ``r`` kept only inside ``[low, high]``, else dropped (METHODS §4)."""
-    return BandMask(low=low, high=high, level=level, reweight=True)
-
-
-def icepop(low: float = 0.5, high: float = 5.0) -> BandMask:
-    """IcePop (Ring-1T, 2025): tokens inside [0.5, 5] kept with weight 1, others dropped."""
-    return BandMask(low=low, high=high, level="token", reweight=False)
-
-
-def geo_rs(low: float, high: float) -> BandMask:
-    """Geometric rejection sampling: keep sequences whose geometric-mean ratio is in
-    ``[low, high]``, weight 1. No published default: both bounds are required."""
-    return BandMask(low=low, high=high, level="geometric", reweight=False)
-
-
-def veto(threshold: float = 1e-4) -> Veto:
-    """Sequence veto at ratio ``threshold`` (Sparse-RL, Luo et al., ACL 2026: 1e-4)."""
-    return Veto(threshold=threshold)
-
-
-def divergence(threshold: float, estimator: str = "k3", reduce: str = "max") -> Divergence:
-    """k2/k3 sequence rejection (verl ``rollout_rs`` ``seq_max_k3``, ``seq_mean_k2``, ...)."""
-    return Divergence(threshold=threshold, estimator=estimator, reduce=reduce)
-
-
-def opsm(delta: float) -> OPSM:
-    """Off-policy sequence masking (DeepSeek-V3.2, 2025) with drift threshold ``delta``."""
-    return OPSM(delta=delta)
-
-
-def sparse_rl(*, cap: float = 1.5, low: float = 0.5, high: float = 1.5, veto_threshold: float = 1e-4,
-              group: object | None = None) -> BatchNormalized:
-    """Sparse-RL's released correction (Luo et al., ACL 2026, arXiv 2601.10079, METHODS §1):
-    token TIS cap 1.5, token band [0.5, 1.5], veto 1e-4, then batch normalisation so the mean
-    kept weight is 1 (over ``group`` when given)."""
-    inner = chain(TIS(cap=cap), BandMask(low=low, high=high, level="token"), Veto(veto_threshold))
-    return BatchNormalized(inner, group=group)
-
-
-def sparrow(cap: float = 3.0) -> TIS:
-    """Sparrow's training correction (Zhou et al., 2026, arXiv 2606.08446): token TIS, C = 3."""
-    return TIS(cap=cap)
-
-
-def sparse_tail(q: float = 0.05, tau: float = 0.86, cap: float = 2.0) -> Chain:
-    """Sparsity-aware rejection: drop sequences whose own 5th-percentile acceptance is below
-    tau = 0.86 (Sparrow's tail statistic and threshold), then token TIS cap 2. Needs
-    ``acceptance`` in the inputs."""
-    return chain(TailReject(q=q, tau=tau), TIS(cap=cap))
+    def __repr__(self) -> str:
+        return (f"SparseRL(cap={self.cap}, low={self.low}, high={self.high}, "
+                f"veto_threshold={self.veto_threshold})")

@@ -5,7 +5,7 @@
 """
 
 from .advantages import group_advantages
-from .aggregation import AGGREGATIONS, aggregate, aggregation_coefficients
+from .aggregation import AGGREGATIONS, Aggregation, aggregate, aggregation_coefficients
 from .distill import (
     adapter_parameters,
     dense_mode,
@@ -15,12 +15,21 @@ from .distill import (
     sparse_kl_k3,
     topk_kl,
 )
-from .grpo import sparse_grpo
+from .grpo import METRIC_LEVELS, KLPenalty, sparse_grpo
 from .output import LossOutput
+from .surrogate import CISPO, GSPO, SAPO, SURROGATES, PPOClip
 
 __all__ = [
     "AGGREGATIONS",
+    "CISPO",
+    "GSPO",
+    "METRIC_LEVELS",
+    "SAPO",
+    "SURROGATES",
+    "Aggregation",
+    "KLPenalty",
     "LossOutput",
+    "PPOClip",
     "adapter_parameters",
     "aggregate",
     "aggregation_coefficients",

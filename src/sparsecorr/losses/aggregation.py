@@ -21,25 +21,85 @@ rank).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from .._checks import check_choice, check_mask, count
 
-__all__ = ["AGGREGATIONS", "aggregate", "aggregation_coefficients", "row_scales"]
+__all__ = ["AGGREGATIONS", "Aggregation", "aggregate", "aggregation_coefficients", "row_scales"]
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def _count(value: float | int | torch.Tensor | None, default: torch.Tensor, name: str) -> torch.Tensor:
+def _check_count(name: str, value: object) -> None:
+    """A normaliser is None, a finite number >= 0, or a 1-element tensor."""
     if value is None:
-        return default
+        return
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name}: expected a number or a 1-element tensor, got shape {tuple(value.shape)}")
-        return value.reshape(()).to(device=default.device, dtype=torch.float32)
-    if not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+
+
+def _count(value: float | int | torch.Tensor | None, default: torch.Tensor, name: str) -> torch.Tensor:
+    """The normaliser as a 0-d float32 tensor. A tensor that is NaN, ±inf or negative cannot be
+    refused without a host sync: the local count ``default`` is used instead (``sparse_grpo``
+    reports it as ``loss/normalizer_fallback``)."""
+    _check_count(name, value)
+    if value is None:
+        return default
+    if isinstance(value, torch.Tensor):
+        v = value.reshape(()).to(device=default.device, dtype=torch.float32)
+        return torch.where((v >= 0) & (v < math.inf), v, default)
     return torch.tensor(float(value), device=default.device)
+
+
+def _inverse(n: torch.Tensor) -> torch.Tensor:
+    """``1 / n``, and 0 for ``n = 0`` (nothing to normalise: every row is empty)."""
+    return torch.where(n > 0, 1.0 / n.clamp(min=1e-30), 0.0)
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    r"""An aggregation mode with its normalisers (see the module table).
+
+    Attributes:
+        mode: one of ``AGGREGATIONS``.
+        num_tokens: global \(N\) for ``token-mean`` over data-parallel ranks (and gradient
+            accumulation windows); default: the local kept count.
+        num_sequences: global \(S\) for the ``seq-mean-*`` modes; default: local non-empty rows.
+            Pass the number of rows ``B`` to count empty rows as 0 (TRL's ``grpo``, Dr. GRPO).
+        norm_length: \(L\) of ``seq-mean-token-sum-norm`` (default ``T``).
+    """
+
+    mode: str = "token-mean"
+    num_tokens: float | torch.Tensor | None = None
+    num_sequences: float | torch.Tensor | None = None
+    norm_length: float | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("aggregation", self.mode, AGGREGATIONS)
+        _check_count("num_tokens", self.num_tokens)
+        _check_count("num_sequences", self.num_sequences)
+        n = self.norm_length
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < math.inf):
+            raise ValueError(f"norm_length: expected a finite number > 0 or None, got {n!r}")
+
+    def row_scales(self, mask: torch.Tensor) -> torch.Tensor:
+        r"""``[B]`` row scales \(r_i\) (``row_scales`` with this mode and normalisers)."""
+        return row_scales(mask, mode=self.mode, num_tokens=self.num_tokens,
+                          num_sequences=self.num_sequences, norm_length=self.norm_length)
+
+    def normalizer_fallback(self) -> torch.Tensor | None:
+        """0-d: 1.0 when a tensor normaliser was non-finite or negative (replaced by the local
+        count), else 0.0; None when no tensor normaliser was given."""
+        bad = [((v < 0) | ~(v.abs() < math.inf)).reshape(()) for v in (self.num_tokens, self.num_sequences)
+               if isinstance(v, torch.Tensor)]
+        return None if not bad else torch.stack(bad).any().float()
 
 
 def row_scales(
@@ -54,7 +114,7 @@ def row_scales(
 
     Args:
         mask: bool, True = the token counts (rejected tokens already removed).
-        mode: one of :data:`AGGREGATIONS`.
+        mode: one of `AGGREGATIONS`.
         num_tokens: global \(N\) for ``token-mean`` (default: ``mask.sum()``).
         num_sequences: global \(S\) for the ``seq-mean-*`` modes (default: local non-empty rows).
         norm_length: \(L\) for ``seq-mean-token-sum-norm`` (default: ``T``, the padded length;
@@ -70,17 +130,18 @@ def row_scales(
     b = mask.shape[0]
     if mode == "token-mean":
         n = _count(num_tokens, count(mask), "num_tokens")
-        return (1.0 / n.clamp(min=1.0)).expand(b)
+        return _inverse(n).expand(b)
     n_i = count(mask, dim=1)
-    s = _count(num_sequences, (n_i > 0).float().sum(), "num_sequences").clamp(min=1.0)
+    s = _count(num_sequences, (n_i > 0).float().sum(), "num_sequences")
     if mode == "seq-mean-token-mean":
-        return 1.0 / (n_i.clamp(min=1.0) * s)
+        return torch.where(s > 0, 1.0 / (n_i.clamp(min=1.0) * s.clamp(min=1e-30)), 0.0)
     if mode == "seq-mean-token-sum":
-        return (1.0 / s).expand(b)
-    length = float(mask.shape[1]) if norm_length is None else float(norm_length)
-    if length <= 0:
-        raise ValueError(f"norm_length: expected a number > 0, got {norm_length!r}")
-    return (1.0 / (length * s)).expand(b)
+        return _inverse(s).expand(b)
+    if norm_length is not None and (isinstance(norm_length, bool) or not isinstance(norm_length, (int, float))
+                                    or not 0 < norm_length < math.inf):
+        raise ValueError(f"norm_length: expected a finite number > 0 or None, got {norm_length!r}")
+    length = float(max(mask.shape[1], 1)) if norm_length is None else float(norm_length)
+    return _inverse(length * s).expand(b)
 
 
 def aggregation_coefficients(
@@ -112,7 +173,7 @@ def aggregate(
     num_sequences: float | torch.Tensor | None = None,
     norm_length: float | None = None,
 ) -> torch.Tensor:
-    """Aggregate a per-token loss to a scalar with one of the :data:`AGGREGATIONS` modes.
+    """Aggregate a per-token loss to a scalar with one of the `AGGREGATIONS` modes.
 
     Masked positions are ignored even if they hold NaN/inf.
 

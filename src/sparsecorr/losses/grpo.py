@@ -2,46 +2,93 @@ r"""``sparse_grpo``: decoupled three-policy PPO / GRPO for sparse rollouts.
 
 Tokens are sampled by the sparse sampler (``rollout_logp``), the dense model with rollout-time
 weights gives ``old_logp`` and the learner gives ``logp``. The loss of Sparse-RL (Luo et al.
-2026, arXiv 2601.10079) and decoupled PPO (Hilton et al. 2022) is, per kept token,
+2026, arXiv 2601.10079) and decoupled PPO (Hilton et al. 2022) runs in three stages:
 
-\[
-\ell_t = -\,w_t \cdot \min\!\big(\rho_t A,\ \mathrm{clip}(\rho_t, 1-\varepsilon_l, 1+\varepsilon_h)\,A\big)
-\;+\; \beta\, k_3(\text{ref} \,\|\, \text{logp})_t,
-\]
+1. **correction** — the batch's [`Mismatch`][sparsecorr.mismatch.Mismatch] record is built once
+   (or passed in) and a correction ``Mismatch -> Correction`` turns it into detached weights
+   \(w_t\) on \(\pi_\text{old}/\pi_\text{rollout}\) and a rejection mask;
+2. **surrogate** — an object from ``SURROGATES`` (``PPOClip``, ``GSPO``, ``CISPO``, ``SAPO``)
+   gives the per-token loss, e.g. for PPO
+   \(\ell_t = -w_t \min(\rho_t A, \mathrm{clip}(\rho_t, 1-\varepsilon_l, 1+\varepsilon_h) A)\)
+   with \(\rho_t = \pi_\theta/\pi_\text{old}\);
+3. **aggregation** — an [`Aggregation`][sparsecorr.losses.Aggregation] turns it into a scalar,
+   plus \(\beta\, k_3(\text{ref}\,\|\,\theta)_t\) on kept tokens (``kl``), \(k_3 = e^{d} - d - 1\),
+   \(d = \text{ref\_logp} - \text{logp}\) (Schulman 2020).
 
-with \(\rho_t = \pi_\theta/\pi_\text{old}\) (``ratio_level="token"``) or the GSPO sequence ratio
-\(s_i = \exp(\frac{1}{n_i}\sum_t (\text{logp} - \text{old\_logp}))\) (``ratio_level="sequence"``,
-Zheng et al. 2025), \(w_t\) the detached IS weight of the ``correction`` (applied to
-\(\pi_\text{old}/\pi_\text{rollout}\)), and \(k_3 = e^{d} - d - 1\), \(d = \text{ref\_logp} -
-\text{logp}\) (Schulman 2020). Tokens the correction rejects leave both the numerator and the
-denominator; the scalar is one of the aggregation modes of :mod:`sparsecorr.losses.aggregation`.
+Tokens the correction rejects leave both the numerator and the denominator. A token whose
+``logp``, ``old_logp``, ``rollout_logp`` or (with a KL term) ``ref_logp`` is NaN/±inf, or a row
+whose advantage is, leaves the loss and is counted (``loss/nonfinite_tokens``,
+``loss/nonfinite_advantage_seqs``); an empty batch gives a 0 loss with a 0 gradient.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from .._checks import (
-    check_choice,
-    check_float_tensor,
-    check_mask,
-    check_positive,
-    check_same_shape,
-    count,
-)
-from .._checks import finite as _finite
-from ..correction.base import Correction, CorrectionInputs
-from ..mismatch import LOG_RATIO_CLAMP, mismatch_metrics
-from .aggregation import AGGREGATIONS, row_scales
+from .._checks import check_choice, check_float_tensor, check_mask, check_same_shape, count
+from ..correction import Correction
+from ..mismatch import LOG_RATIO_CLAMP, Mismatch, measure, mismatch_metrics
+from .aggregation import Aggregation
 from .output import LossOutput
-from .surrogate import Surrogate, clipped_surrogate, ratio_bounds
+from .ppo import SurrogateInputs
+from .surrogate import SURROGATES
 
-__all__ = ["sparse_grpo"]
+__all__ = ["METRIC_LEVELS", "KLPenalty", "sparse_grpo"]
+
+METRIC_LEVELS = ("none", "default", "full")
+_INF = float("inf")
 
 
-def _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp) -> None:
+@dataclass(frozen=True)
+class KLPenalty:
+    r"""The k3 penalty to a reference model, \(\beta\,k_3\) per kept token (not IS-weighted).
+
+    Attributes:
+        coef: \(\beta\) (Sparse-RL: 1e-4; TRL ``beta``).
+        bias_correction: multiply each token's \(k_3\) by the PPO ratio \(\rho_t\) (with its
+            gradient), as TRL's ``use_bias_correction_kl`` does: the tokens were sampled from
+            \(\pi_\text{old}\), not \(\pi_\theta\).
+    """
+
+    coef: float = 0.0
+    bias_correction: bool = False
+
+    def __post_init__(self) -> None:
+        c = self.coef
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < math.inf:
+            raise ValueError(f"kl: expected a finite coefficient >= 0, got {c!r}")
+
+
+def _surrogate(surrogate: object) -> Callable:
+    if isinstance(surrogate, str):
+        check_choice("surrogate", surrogate, sorted(SURROGATES))
+        return SURROGATES[surrogate]()
+    if not callable(surrogate):
+        raise ValueError(f"surrogate: expected a name in {sorted(SURROGATES)} or a surrogate object, "
+                         f"got {type(surrogate).__name__}")
+    return surrogate
+
+
+def _options(surrogate, aggregation, kl, ref_logp, metrics):
+    """Validate every hyperparameter before any tensor work."""
+    sur = _surrogate(surrogate)
+    if isinstance(aggregation, str):
+        aggregation = Aggregation(aggregation)
+    elif not isinstance(aggregation, Aggregation):
+        raise ValueError(f"aggregation: expected a mode name or an Aggregation, got "
+                         f"{type(aggregation).__name__}")
+    pen = kl if isinstance(kl, KLPenalty) else KLPenalty(coef=kl)
+    if pen.coef > 0 and ref_logp is None:
+        raise ValueError(f"ref_logp: expected a [B, T] tensor when kl > 0 (kl={pen.coef!r}), got None")
+    check_choice("metrics", metrics, METRIC_LEVELS)
+    return sur, aggregation, pen
+
+
+def _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp, mm) -> None:
     check_float_tensor("logp", logp, ndim=2)
     check_float_tensor("old_logp", old_logp, ndim=2)
     check_same_shape(logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, ref_logp=ref_logp)
@@ -52,87 +99,45 @@ def _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp) -> N
     check_float_tensor("advantages", advantages)
     b, t = logp.shape
     if tuple(advantages.shape) not in ((b,), (b, t), (b, 1)):
-        raise ValueError(f"advantages: expected shape ({b},) or ({b}, {t}), got {tuple(advantages.shape)}")
+        raise ValueError(f"advantages: expected shape ({b},), ({b}, 1) or ({b}, {t}), got "
+                         f"{tuple(advantages.shape)}")
+    if mm is not None and tuple(mm.shape) != (b, t):
+        raise ValueError(f"mismatch: expected a record of shape {(b, t)}, got {tuple(mm.shape)}")
 
 
-def _apply_correction(correction, logp, old_logp, rollout_logp, mask, advantages, acceptance):
-    """Call (or accept) the correction and check what it returned."""
-    if advantages.dim() == 2 and advantages.shape[1] == 1 and advantages.shape != logp.shape:
-        advantages = advantages[:, 0]
+def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction | None:
+    if correction is None:
+        return None
+    if mm is None:
+        raise ValueError("rollout_logp: expected the sparse sampler's [B, T] log-probs (or a "
+                         "mismatch record) when a correction is given, got None (a correction "
+                         "cannot act without them)")
     if isinstance(correction, Correction):
         corr = correction
     elif callable(correction):
-        corr = correction(CorrectionInputs(old_logp=old_logp, rollout_logp=rollout_logp, mask=mask,
-                                           acceptance=acceptance, advantages=advantages,
-                                           logp=logp.detach()))
+        corr = correction(mm.with_context(advantages=advantages, logp=logp.detach()))
     else:
-        raise ValueError(f"correction: expected a callable (CorrectionInputs) -> Correction or a "
+        raise ValueError(f"correction: expected a callable Mismatch -> Correction or a "
                          f"Correction, got {type(correction).__name__}")
     if not isinstance(corr, Correction):
-        raise ValueError(f"correction: expected the callable to return a Correction, got {type(corr).__name__}")
-    check_same_shape(logp=logp, **{"correction.weights": corr.weights})
-    check_mask(corr.mask, logp, name="correction.mask")
+        raise ValueError(f"correction: expected the callable to return a Correction, got "
+                         f"{type(corr).__name__}")
+    if tuple(corr.mask.shape) != tuple(mm.shape):
+        raise ValueError(f"correction.mask: expected shape {tuple(mm.shape)}, got {tuple(corr.mask.shape)}")
     return corr
 
 
-def _clip_metrics(sur: Surrogate, adv: torch.Tensor, *, n, dual_clip) -> dict[str, torch.Tensor]:
-    """Fractions of kept tokens on the clipped (zero-gradient) branch, by side of the clip."""
-    t = sur.unclipped.shape[1]
-    clipped_rows = t - count(sur.unclipped, dim=1)  # not-kept entries count as unclipped
-    c_all = clipped_rows.sum()
-    if adv.shape[1] == 1:
-        c_neg = (clipped_rows * (adv[:, 0] < 0)).sum()
-    else:
-        c_neg = count(~sur.unclipped & (adv < 0))
-    out = {"loss/clip_frac_high": (c_all - c_neg) / n}
-    if dual_clip is None:
-        out["loss/clip_frac_low"] = c_neg / n
-    else:
-        c_dual = count(~sur.unclipped & (adv < 0) & (sur.ratio > 1.0))
-        out["loss/clip_frac_low"] = (c_neg - c_dual) / n
-        out["loss/clip_frac_dual"] = c_dual / n
-    return out
-
-
-def _ratio_stats(sur: Surrogate, kept: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean, min and max of the PPO ratio over kept tokens (ratio is 1 elsewhere)."""
-    n1 = n.clamp(min=1.0)
-    mean = (sur.ratio_sum - (kept.numel() - n)) / n1
-    lo, hi = torch.aminmax(torch.where(kept, sur.ratio, mean))  # the mean lies inside [min, max]
-    nan = torch.tensor(float("nan"), device=mean.device)
-    empty = n == 0
-    return {"loss/ratio_mean": mean, "loss/ratio_min": torch.where(empty, nan, lo),
-            "loss/ratio_max": torch.where(empty, nan, hi)}
-
-
-def _sequence_surrogate(logp, old_logp, kept, adv, weights, scales, *, clip_low, clip_high,
-                        dual_clip) -> Surrogate:
-    """GSPO: one length-normalised ratio per row (plain autograd; ``[B, 1]`` tensors are cheap)."""
-    raw = torch.where(kept, logp.float() - old_logp.float(), 0.0)
-    n_i = count(kept, dim=1, keepdim=True).clamp(min=1)
-    ratio = (raw.sum(dim=1, keepdim=True) / n_i).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    lo, hi = ratio_bounds(adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
-    clipped = torch.clamp(ratio, lo, hi)
-    w = kept.float() if weights is None else weights
-    token_loss = w * adv.neg() * clipped
-    r = torch.where(kept, ratio.detach(), 1.0)
-    return Surrogate(token_loss=token_loss, loss=(token_loss.sum(dim=1) * scales).sum(), ratio=r,
-                     unclipped=(clipped.detach() == ratio.detach()) | ~kept,
-                     log_ratio_sum=raw.detach().sum(), ratio_sum=r.sum())
-
-
-def _check_hparams(clip_low, clip_high, dual_clip, ratio_level, aggregation, kl_coef, ref_logp) -> None:
-    check_positive("clip_low", clip_low, allow_zero=True)
-    check_positive("clip_high", clip_high, allow_zero=True)
-    if clip_low >= 1:
-        raise ValueError(f"clip_low: expected a number in [0, 1), got {clip_low!r}")
-    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1):
-        raise ValueError(f"dual_clip: expected None or a number > 1, got {dual_clip!r}")
-    check_choice("ratio_level", ratio_level, ("token", "sequence"))
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    check_positive("kl_coef", kl_coef, allow_zero=True)
-    if kl_coef > 0 and ref_logp is None:
-        raise ValueError(f"ref_logp: expected a [B, T] tensor when kl_coef > 0 (kl_coef={kl_coef!r}), got None")
+def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
+    """Float32 advantages (``[B, 1]`` or ``[B, T]``), 0 where non-finite; kept minus those
+    rows / tokens; the non-finite count (rows for per-sequence advantages)."""
+    adv = advantages.detach().float()
+    if adv.dim() == 1 or adv.shape[1] == 1:
+        adv = adv.reshape(-1, 1)
+        ok = adv.abs() < _INF
+        return torch.where(ok, adv, 0.0), kept & ok, lambda: count(~ok[:, 0] & kept.any(dim=1))
+    ok = adv.abs() < _INF
+    bad_rows = kept & ~ok
+    return torch.where(ok, adv, 0.0), kept & ok, lambda: count(bad_rows.any(dim=1))
 
 
 def sparse_grpo(
@@ -142,122 +147,139 @@ def sparse_grpo(
     mask: torch.Tensor,
     *,
     rollout_logp: torch.Tensor | None = None,
-    correction: Callable | object | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    ratio_level: str = "token",
-    aggregation: str = "token-mean",
-    num_tokens: float | torch.Tensor | None = None,
-    num_sequences: float | torch.Tensor | None = None,
-    norm_length: float | None = None,
+    mismatch: Mismatch | None = None,
+    correction: Callable | Correction | None = None,
+    surrogate: str | Callable = "ppo",
+    aggregation: str | Aggregation = "token-mean",
     ref_logp: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    acceptance: torch.Tensor | None = None,
-    mismatch: bool = True,
-    mismatch_quantiles: Sequence[float] = (),
+    kl: float | KLPenalty = 0.0,
+    metrics: str = "default",
     validate: bool = True,
 ) -> LossOutput:
     r"""Decoupled three-policy PPO/GRPO loss with an optional sparse-rollout correction.
 
-    Without ``rollout_logp`` and ``correction`` this is plain GRPO/DAPO (clipped PPO on
-    \(\pi_\theta/\pi_\text{old}\)). With both, the correction's detached weights \(w_t\)
-    multiply each token's clipped term and its mask removes rejected tokens from numerator and
-    denominator. With ``rollout_logp`` but no correction, the loss is **not reweighted**: the
-    untruncated decoupled weight \(\pi_\text{old}/\pi_\text{rollout}\) has unbounded variance,
-    so the mismatch is only measured (``mismatch/*`` metrics) and non-finite rollout tokens are
-    masked and counted; pass e.g. ``correction=sparse_rl()`` to act on it.
+    Without ``rollout_logp`` and ``correction`` this is plain GRPO/DAPO. With both, the
+    correction's detached weights \(w_t\) multiply each token's surrogate and its mask removes
+    rejected tokens from numerator and denominator. With ``rollout_logp`` but no correction the
+    loss is **not reweighted** (the untruncated decoupled weight has unbounded variance): the
+    mismatch is only measured (``mismatch/*``) and non-finite rollout tokens are masked and
+    counted; pass e.g. ``correction=sparse_rl()`` to act on it.
 
-    A sequence rejected as a whole (vetoed) gets no gradient here; keep it out of the group
-    statistics as well by computing the correction first and passing
-    ``valid=correction.sequence_mask`` to
-    [`group_advantages`][sparsecorr.losses.group_advantages], then passing that ``Correction``
-    object itself as ``correction``.
+    A sequence rejected as a whole gets no gradient here; keep it out of its group's statistics
+    too by computing the correction first, passing ``valid=correction.sequence_mask`` to
+    [`group_advantages`][sparsecorr.losses.group_advantages], then passing that ``Correction``.
 
     Args:
         logp: learner log-probs of the sampled tokens (carry the gradient).
         old_logp: dense log-probs with the rollout-time weights.
-        advantages: per sequence ``[B]`` or per token ``[B, T]``.
+        advantages: per sequence ``[B]`` (or ``[B, 1]``) or per token ``[B, T]``.
         mask: bool, True = the token counts.
-        rollout_logp: sparse sampler log-probs; required with ``correction``.
-        correction: a callable ``(CorrectionInputs) -> Correction`` (e.g. ``sparse_rl()``,
-            ``tis(cap=2.0)``) or an already computed ``Correction``.
-        clip_low: \(\varepsilon_l\) (0.2 PPO and DAPO; 3e-4 GSPO).
-        clip_high: \(\varepsilon_h\) (0.2 PPO; 0.28 DAPO and Sparrow; 4e-4 GSPO).
-        dual_clip: \(c > 1\) for dual-clip PPO on negative advantages (None: off).
-        ratio_level: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO: length-normalised
-            sequence ratio, one per row).
-        aggregation: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
-            ``seq-mean-token-sum-norm`` (see :mod:`sparsecorr.losses.aggregation`).
-        num_tokens: global count of *kept* tokens over data-parallel ranks (``token-mean``).
-        num_sequences: global count of sequences with a kept token (``seq-mean-*``).
-        norm_length: \(L\) of ``seq-mean-token-sum-norm`` (default ``T``).
+        rollout_logp: sparse sampler log-probs (the record is built from them here).
+        mismatch: an already built record of ``(old_logp, rollout_logp, mask)`` instead of
+            ``rollout_logp`` (build it once per batch and share it across micro-steps).
+        correction: a callable ``Mismatch -> Correction`` (``sparse_rl()``, ``tis(cap=2.0)``,
+            ``chain(...)``) or an already computed ``Correction``.
+        surrogate: a name in ``SURROGATES`` (``"ppo"``, ``"gspo"``, ``"cispo"``, ``"sapo"``) or
+            an object, e.g. ``PPOClip(clip_low=0.2, clip_high=0.28)`` (DAPO).
+        aggregation: a mode name or an ``Aggregation`` with global normalisers
+            (``Aggregation("token-mean", num_tokens=N)`` over data-parallel ranks).
         ref_logp: reference-model log-probs for the k3 KL penalty / metric.
-        kl_coef: \(\beta\) (Sparse-RL: 1e-4); the KL term is added on kept tokens, unweighted.
-        acceptance: optional per-token acceptance rate, passed to the correction and metrics.
-        mismatch: add :func:`~sparsecorr.mismatch.mismatch_metrics` (``mismatch/*``) when
-            ``rollout_logp`` is given (about two loss-passes of extra time: turn off on steps
-            that are not logged).
-        mismatch_quantiles: log-ratio quantiles to report (each one sorts the batch: off by
-            default in the training step).
+        kl: \(\beta\), or a ``KLPenalty`` (``bias_correction=True`` as TRL).
+        metrics: ``"default"`` (cheap, every step), ``"full"`` (adds ratio extremes,
+            mismatch quantiles, k2/chi2) or ``"none"`` (nothing computed).
         validate: check shapes and dtypes (set False in a hot loop once inputs are trusted).
 
     Returns:
-        ``LossOutput(loss, token_loss, metrics, mask)``; metrics: ``loss/*`` (clip fractions
-        low/high/dual, ratio mean/min/max, ``ppo_kl_k1_mean``, ``kl_ref_k3_mean``, ``tokens``,
-        ``sequences``, ``weight_mean``, ``nonfinite_rollout``), ``correction/*`` and
-        ``mismatch/*`` when a rollout is given.
+        ``LossOutput(loss, token_loss, metrics, mask)``; metrics ``loss/*`` (clip fractions,
+        ``ratio_mean``, ``ppo_kl_k1_mean``, ``tokens``, ``sequences``, ``kl_ref_k3_mean``,
+        non-finite counts, ``pg_loss``, ``loss``), ``correction/*`` and ``mismatch/*``.
 
     Shapes:
-        logp, old_logp, rollout_logp, ref_logp, acceptance, mask: ``[B, T]``;
-        advantages: ``[B]`` or ``[B, T]`` -> loss ``[]``, token_loss/mask ``[B, T]``.
+        logp, old_logp, rollout_logp, ref_logp, mask: ``[B, T]``; advantages ``[B]`` or
+        ``[B, T]`` -> loss ``[]``, token_loss/mask ``[B, T]``.
+
+    Example:
+        >>> import torch
+        >>> from sparsecorr.correction import sparse_rl
+        >>> from sparsecorr.losses import PPOClip, sparse_grpo
+        >>> g = torch.Generator().manual_seed(0)
+        >>> roll = -torch.rand(4, 6, generator=g)
+        >>> old = roll + 0.05 * torch.randn(4, 6, generator=g)
+        >>> logp = old.clone().requires_grad_()
+        >>> out = sparse_grpo(logp, old, torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        ...                   torch.ones(4, 6, dtype=torch.bool), rollout_logp=roll,
+        ...                   correction=sparse_rl(), surrogate=PPOClip(clip_high=0.28))
+        >>> out.loss.backward()
+        >>> round(float(out.metrics["loss/tokens"]))
+        24
     """
-    _check_hparams(clip_low, clip_high, dual_clip, ratio_level, aggregation, kl_coef, ref_logp)
-    if correction is not None and rollout_logp is None:
-        raise ValueError("rollout_logp: expected the sparse sampler's [B, T] log-probs when a "
-                         "correction is given, got None (a correction cannot act without them)")
+    sur, agg, pen = _options(surrogate, aggregation, kl, ref_logp, metrics)
+    if mismatch is not None and rollout_logp is not None:
+        raise ValueError("mismatch, rollout_logp: expected one of them (the record carries the "
+                         "rollout log-probs), got both")
     if validate:
-        _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp)
-    metrics: dict[str, torch.Tensor] = {}
-    kept, weights = mask, None
-    if rollout_logp is not None:
-        finite = _finite(rollout_logp)
-        metrics["loss/nonfinite_rollout"] = count(mask & ~finite)
-        kept = mask & finite
-        if correction is not None:
-            corr = _apply_correction(correction, logp, old_logp, rollout_logp, mask, advantages,
-                                     acceptance)
-            kept = kept & corr.mask
-            weights = torch.where(kept, corr.weights.detach().float(), 0.0)
-            metrics.update(corr.metrics)
-        if mismatch:
-            metrics.update(mismatch_metrics(old_logp, rollout_logp, mask, acceptance=acceptance,
-                                            quantiles=tuple(mismatch_quantiles)))
-    adv = advantages.float()
-    adv = adv[:, None] if adv.dim() == 1 else torch.where(kept, adv, 0.0)
-    scales = row_scales(kept, mode=aggregation, num_tokens=num_tokens, num_sequences=num_sequences,
-                        norm_length=norm_length)
-    surrogate = clipped_surrogate if ratio_level == "token" else _sequence_surrogate
-    sur = surrogate(logp, old_logp, kept, adv, weights, scales, clip_low=clip_low,
-                    clip_high=clip_high, dual_clip=dual_clip)
-    token_loss, loss = sur.token_loss, sur.loss
+        _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp, mismatch)
+    mm = mismatch if mismatch is not None else (
+        measure(old_logp, rollout_logp, mask, validate=False) if rollout_logp is not None else None)
+    corr = _correction(correction, mm, advantages, logp)
+    # a hand-made correction may keep a non-finite token: the record's valid mask always applies
+    base = (corr.mask & mm.valid) if corr is not None else (mm.valid if mm is not None else mask)
     with torch.no_grad():
+        # the learner side: logp - old_logp must be finite (covers old_logp without a record)
+        lr = logp.detach().float() - old_logp.detach().float()
+        kept = (lr.abs() < _INF).logical_and_(base)
+        use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
+        if use_ref:
+            kept &= ref_logp.detach().abs() < _INF
+        adv, kept, bad_adv = _advantages(advantages, kept)
+        lr.masked_fill_(~kept, 0.0)
         n = count(kept)
-        n1 = n.clamp(min=1.0)
-        metrics.update(_clip_metrics(sur, adv, n=n1, dual_clip=dual_clip))
-        metrics.update(_ratio_stats(sur, kept, n))
-        metrics["loss/ppo_kl_k1_mean"] = -sur.log_ratio_sum / n1
-        metrics["loss/tokens"] = n
-        metrics["loss/sequences"] = count(kept.any(dim=1))
-        metrics["loss/weight_mean"] = n / n1 if weights is None else weights.sum() / n1
-        metrics["loss/pg_loss"] = loss.detach()
-    if ref_logp is not None:
+        w = None if corr is None else corr.token_weights
+        neg_wa = torch.where(kept, adv.neg() if w is None else w * adv.neg(), 0.0)
+    scales = agg.row_scales(kept)
+    out = sur(SurrogateInputs(logp=logp, old_logp=old_logp.detach().float(), log_ratio=lr,
+                              kept=kept, advantages=adv, neg_weighted_adv=neg_wa, scales=scales,
+                              n=n, full_metrics=metrics == "full"))
+    token_loss, loss = out.token_loss, out.loss
+    pg_loss = loss.detach()
+    k3 = None
+    if use_ref:
         d = torch.where(kept, ref_logp.float() - logp.float(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         k3 = torch.expm1(d) - d
-        metrics["loss/kl_ref_k3_mean"] = k3.detach().sum() / n1
-        if kl_coef > 0:
-            token_loss = token_loss + kl_coef * k3
-            loss = loss + kl_coef * (k3.sum(dim=1) * scales).sum()
-    metrics["loss/loss"] = loss.detach()
+        if pen.coef > 0:
+            term = k3
+            if pen.bias_correction:  # k3 times the PPO ratio, with its gradient (TRL)
+                raw = torch.where(kept, logp.float() - old_logp.detach().float(), 0.0)
+                term = k3 * raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+            token_loss = token_loss + pen.coef * term
+            loss = loss + pen.coef * (term.sum(dim=1) * scales).sum()
+    if metrics == "none":
+        return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=kept)
+    m = _metrics(out.metrics, mm=mm, corr=corr, kept=kept, n=n, base=base, bad_adv=bad_adv,
+                 k3=k3, agg=agg, full=metrics == "full")
+    m["loss/pg_loss"] = pg_loss
+    m["loss/loss"] = loss.detach()
     return LossOutput(loss=loss, token_loss=token_loss,
-                      metrics={k: v.detach().float().reshape(()) for k, v in metrics.items()}, mask=kept)
+                      metrics={k: v.detach().float().reshape(()) for k, v in m.items()}, mask=kept)
+
+
+def _metrics(sur_metrics, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
+    """Resolve the lazy metrics of every stage (the loss's own ones first)."""
+    with torch.no_grad():
+        n1 = n.clamp(min=1)
+        m = {k: v() if callable(v) else v for k, v in sur_metrics.items()}
+        m["loss/tokens"] = n
+        m["loss/sequences"] = count(kept.any(dim=1)) if kept.shape[1] else torch.zeros(())
+        m["loss/nonfinite_tokens"] = count(base) - n  # kept is a subset of base
+        m["loss/nonfinite_advantage_seqs"] = bad_adv()
+        if k3 is not None:
+            m["loss/kl_ref_k3_mean"] = k3.detach().sum() / n1
+        fallback = agg.normalizer_fallback()
+        if fallback is not None:
+            m["loss/normalizer_fallback"] = fallback
+        if mm is not None:
+            m["loss/nonfinite_rollout"] = mm.nonfinite
+            m.update(mismatch_metrics(mm, level="full" if full else "default"))
+        if corr is not None:
+            m.update(corr.metrics)
+    return m

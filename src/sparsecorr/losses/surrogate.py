@@ -1,26 +1,19 @@
-r"""The clipped PPO surrogate, fused into one autograd node at token level.
+r"""Surrogate objectives: one object per method, all with the same call.
 
-Per token, with \(\rho_t = e^{\mathrm{clamp}(\text{logp} - \text{old\_logp}, \pm 20)}\), advantage
-\(A\), IS weight \(w_t\) (detached) and clip range \([1-\varepsilon_l, 1+\varepsilon_h]\):
+A surrogate turns the learner's log-probs, the advantages and the correction's detached
+weights \(w_t\) into a per-token loss \(\ell_t\) and its aggregate \(\sum_i r_i \sum_t \ell_{i,t}\)
+(\(r_i\): the aggregation's row scales). With \(\rho_t = e^{\text{logp}_t - \text{old\_logp}_t}\):
 
-\[
-\ell_t = -w_t \cdot \min\big(\rho_t A,\ \mathrm{clip}(\rho_t, 1-\varepsilon_l, 1+\varepsilon_h)\,A\big),
-\]
+| object | per-token loss | source |
+|---|---|---|
+| [`PPOClip`][sparsecorr.losses.PPOClip] | \(-w_t \min(\rho_t A, \mathrm{clip}(\rho_t, 1-\varepsilon_l, 1+\varepsilon_h) A)\), dual clip \(c\) for \(A<0\) | Schulman 2017; DAPO; Ye 2020 |
+| [`GSPO`][sparsecorr.losses.GSPO] | the same with the sequence ratio \(s_i = e^{\frac{1}{n_i}\sum_t (\text{logp}-\text{old\_logp})}\) | Zheng et al. 2025 |
+| [`CISPO`][sparsecorr.losses.CISPO] | \(-w_t\, \mathrm{sg}[\min(\rho_t, c)]\, A\, \text{logp}_t\) | MiniMax-M1 2025 |
+| [`SAPO`][sparsecorr.losses.SAPO] | \(-w_t\, \tfrac{4}{\tau}\sigma(\tau(\rho_t - 1))\, A\), \(\tau = \tau_+\) if \(A>0\) else \(\tau_-\) | SAPO (Qwen, 2025) |
 
-and with dual clip \(c > 1\) (Ye et al. 2020), for \(A < 0\) the objective is further bounded
-below: \(\max(\min(\cdot), cA)\). The gradient is closed form,
-
-\[
-\frac{\partial \ell_t}{\partial\, \text{logp}_t} = -w_t\, A\, \rho_t \cdot
-\mathbb{1}[\text{unclipped branch active}],
-\]
-
-so [`clipped_surrogate`][sparsecorr.losses.surrogate.clipped_surrogate] computes it during the
-forward pass and keeps only that one ``[B, T]`` float32 tensor for backward, instead of the
-half-dozen intermediates plain autograd would save (the loss is memory-bound on CPU and GPU).
-Both clips and the dual clip collapse into one clamp with per-entry bounds
-(:func:`ratio_bounds`): \(\min(\rho A, \mathrm{clip}(\rho)A) = A\,\mathrm{clamp}(\rho, \ell,
-h)\), and the unclipped branch is active exactly where the clamp leaves \(\rho\) unchanged.
+``SURROGATES`` maps names to the classes (``sparse_grpo(surrogate="gspo")`` uses the defaults).
+``PPOClip`` runs as one fused autograd node (its gradient is closed form, see
+``sparsecorr.losses.ppo``); the others use plain autograd.
 """
 
 from __future__ import annotations
@@ -30,124 +23,134 @@ from dataclasses import dataclass
 
 import torch
 
+from .._checks import count
 from ..mismatch import LOG_RATIO_CLAMP
+from .ppo import SurrogateInputs, SurrogateOutput, ppo_clip_forward
 
-__all__ = ["Surrogate", "clipped_surrogate", "ratio_bounds"]
-
-
-_EDGE = 1e-6  # keeps ratios pinned at e^{±20} on the clipped side (no gradient, as in autograd)
+__all__ = ["CISPO", "GSPO", "SAPO", "SURROGATES", "PPOClip", "SurrogateInputs", "SurrogateOutput"]
 
 
-def ratio_bounds(
-    advantages: torch.Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Per-entry clamp bounds \([\ell, h]\) with \(\min(\rho A, \mathrm{clip}(\rho) A) =
-    A\cdot\mathrm{clamp}(\rho, \ell, h)\).
+def _check_eps(name: str, x: object, *, below_one: bool = False) -> None:
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and 0 <= x < math.inf
+    if not ok or (below_one and x >= 1):
+        raise ValueError(f"{name}: expected a number in [0, {'1)' if below_one else 'inf)'}, got {x!r}")
 
-    For \(A \ge 0\): \([0, 1+\varepsilon_h]\); for \(A < 0\): \([1-\varepsilon_l, c]\) with
-    \(c\) the dual clip (the dual bound \(\max(\cdot, cA) = A \min(\cdot, c)\) for
-    \(A<0\)), else \(e^{20}\). The bounds are nudged inside \(e^{\pm 20}\) so a ratio pinned
-    by the ±20 log clamp counts as clipped (zero gradient, like autograd through ``clamp``).
 
-    Shapes:
-        advantages: ``[B, 1]`` or ``[B, T]`` -> two tensors of the same shape.
-    """
-    pos = advantages >= 0
-    tiny = math.exp(-LOG_RATIO_CLAMP) * (1 + _EDGE)
-    huge = math.exp(LOG_RATIO_CLAMP) * (1 - _EDGE) if dual_clip is None else float(dual_clip)
-    lo = torch.where(pos, tiny, 1.0 - clip_low)
-    hi = torch.where(pos, 1.0 + clip_high, huge)
-    return lo, hi
+def _check_dual(d: object) -> None:
+    if d is not None and not (isinstance(d, (int, float)) and d == d and 1 < d < math.inf):
+        raise ValueError(f"dual_clip: expected None or a finite number > 1, got {d!r}")
 
 
 @dataclass(frozen=True)
-class Surrogate:
-    r"""What :func:`clipped_surrogate` returns.
-
-    Attributes:
-        token_loss: ``[B, T]`` float32, 0 where not kept; carries the gradient to ``logp``.
-        loss: ``[]`` \(\sum_i r_i \sum_t \ell_{i,t}\) for the given row scales; carries the
-            gradient (cheaper to backpropagate than ``token_loss``).
-        ratio: ``[B, T]`` detached PPO ratio, 1 where not kept.
-        unclipped: ``[B, T]`` bool, True where the unclipped branch is active (the gradient
-            flows); True where not kept.
-        log_ratio_sum: ``[]`` sum of ``logp - old_logp`` over kept tokens.
-        ratio_sum: ``[]`` sum of ``ratio`` over all entries (kept ones plus 1 per other entry).
-    """
-
-    token_loss: torch.Tensor
-    loss: torch.Tensor
-    ratio: torch.Tensor
-    unclipped: torch.Tensor
-    log_ratio_sum: torch.Tensor
-    ratio_sum: torch.Tensor
-
-
-class _Surrogate(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logp, old_logp, kept, neg_wa, lo, hi, scales):
-        with torch.no_grad():
-            raw = torch.where(kept, logp.float() - old_logp, 0.0)
-            log_ratio_sum = raw.sum()
-            ratio = raw.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_()
-            ratio_sum = ratio.sum()
-            clipped_ratio = torch.clamp(ratio, lo, hi)
-            active = clipped_ratio == ratio
-            token_loss = clipped_ratio.mul_(neg_wa)
-            loss = (token_loss.sum(dim=1) * scales).sum()
-            grad = torch.where(active, token_loss, 0.0)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(grad, scales)
-        ctx.logp_dtype = logp.dtype
-        ctx.mark_non_differentiable(ratio, active, log_ratio_sum, ratio_sum)
-        return token_loss, loss, ratio, active, log_ratio_sum, ratio_sum
-
-    @staticmethod
-    def backward(ctx, g_token_loss, g_loss, *_):
-        grad, scales = ctx.saved_tensors
-        coef = None
-        if g_loss is not None:
-            coef = scales[:, None] * g_loss
-        if g_token_loss is not None:
-            coef = g_token_loss if coef is None else coef + g_token_loss
-        if coef is None:
-            return (None,) * 7
-        return (coef * grad).to(ctx.logp_dtype), None, None, None, None, None, None
-
-
-def clipped_surrogate(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    kept: torch.Tensor,
-    advantages: torch.Tensor,
-    weights: torch.Tensor | None,
-    scales: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-) -> Surrogate:
-    r"""Token-level weighted clipped surrogate and its aggregate, one fused autograd node.
-
-    Masked positions may hold anything (NaN included): they give 0 and no gradient.
+class PPOClip:
+    r"""Clipped PPO surrogate (GRPO, DAPO, Sparse-RL, TRL's ``grpo``/``dapo``/``bnpo``/``dr_grpo``).
 
     Args:
-        logp: learner log-probs (any float dtype; the gradient comes back in it).
-        old_logp: float32 dense log-probs.
-        kept: bool, the tokens in the loss.
-        advantages: float32, finite where kept.
-        weights: float32 IS weights, 0 where not kept; None = 1 on kept tokens.
-        scales: ``[B]`` row scales of the aggregation
-            ([`row_scales`][sparsecorr.losses.aggregation.row_scales]).
-        clip_low: \(\varepsilon_l\), as in [`sparse_grpo`][sparsecorr.losses.sparse_grpo].
-        clip_high: \(\varepsilon_h\).
-        dual_clip: \(c > 1\) or None.
-
-    Shapes:
-        logp, old_logp, kept, weights: ``[B, T]``; advantages ``[B, T]`` or ``[B, 1]``;
-        scales ``[B]``.
+        clip_low: \(\varepsilon_l\) (0.2 PPO and DAPO).
+        clip_high: \(\varepsilon_h\) (0.2 PPO; 0.28 DAPO and Sparrow).
+        dual_clip: \(c > 1\): for \(A<0\) the objective is also bounded by \(cA\) (Ye et al.
+            2020). TRL's two-sided clip ``delta`` is the same bound (``min(\rho,\delta)``
+            on the unclipped branch), tested against TRL.
     """
-    lo, hi = ratio_bounds(advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
-    neg_adv = advantages.neg()
-    neg_wa = torch.where(kept, neg_adv, 0.0) if weights is None else weights * neg_adv
-    return Surrogate(*_Surrogate.apply(logp, old_logp, kept, neg_wa, lo, hi, scales))
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_eps("clip_low", self.clip_low, below_one=True)
+        _check_eps("clip_high", self.clip_high)
+        _check_dual(self.dual_clip)
+
+    def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
+        return ppo_clip_forward(x, clip_low=self.clip_low, clip_high=self.clip_high,
+                                dual_clip=self.dual_clip)
+
+
+@dataclass(frozen=True)
+class GSPO:
+    r"""GSPO (Zheng et al. 2025): one length-normalised ratio per sequence, tight clip
+    (\(\varepsilon_l = 3\times10^{-4}\), \(\varepsilon_h = 4\times10^{-4}\))."""
+
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    dual_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_eps("clip_low", self.clip_low, below_one=True)
+        _check_eps("clip_high", self.clip_high)
+        _check_dual(self.dual_clip)
+
+    def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
+        kept, adv = x.kept, x.advantages
+        raw = torch.where(kept, x.logp.float() - x.old_logp, 0.0)
+        n_i = count(kept, dim=1, keepdim=True).clamp(min=1)
+        ratio = (raw.sum(dim=1, keepdim=True) / n_i).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        pos = adv >= 0
+        lo = torch.where(pos, 0.0, 1.0 - self.clip_low)
+        big = math.exp(LOG_RATIO_CLAMP) if self.dual_clip is None else self.dual_clip
+        hi = torch.where(pos, 1.0 + self.clip_high, big)
+        clipped = torch.clamp(ratio, lo, hi)
+        token_loss = torch.where(kept, x.neg_weighted_adv * clipped, 0.0)
+        loss = (token_loss.sum(dim=1) * x.scales).sum()
+        r, unclipped = ratio.detach(), (clipped.detach() == ratio.detach())
+        return SurrogateOutput(token_loss, loss, _ratio_metrics(x, r.expand_as(kept), unclipped.expand_as(kept)))
+
+
+@dataclass(frozen=True)
+class CISPO:
+    r"""CISPO (MiniMax-M1, 2025; TRL ``loss_type="cispo"``): REINFORCE on \(\text{logp}\) with the
+    importance ratio truncated at ``cap`` and detached, so every token keeps a gradient."""
+
+    cap: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.cap, (int, float)) and self.cap == self.cap and 0 < self.cap < math.inf):
+            raise ValueError(f"cap: expected a finite number > 0, got {self.cap!r}")
+
+    def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
+        r = x.log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        coef = torch.clamp(r, max=self.cap) * x.neg_weighted_adv  # detached
+        token_loss = torch.where(x.kept, coef * x.logp.float(), 0.0)
+        loss = (token_loss.sum(dim=1) * x.scales).sum()
+        return SurrogateOutput(token_loss, loss, _ratio_metrics(x, r, (r <= self.cap) | ~x.kept))
+
+
+@dataclass(frozen=True)
+class SAPO:
+    r"""SAPO's soft gate (TRL ``loss_type="sapo"``): \(\frac{4}{\tau}\sigma(\tau(\rho - 1))\)
+    replaces the hard clip, with \(\tau_+\) for positive and \(\tau_-\) for negative advantages
+    (TRL defaults 1.0 and 1.05)."""
+
+    temperature_pos: float = 1.0
+    temperature_neg: float = 1.05
+
+    def __post_init__(self) -> None:
+        for name in ("temperature_pos", "temperature_neg"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v == v and 0 < v < math.inf):
+                raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+
+    def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
+        lr = torch.where(x.kept, x.logp.float() - x.old_logp, 0.0)
+        rho = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        tau = torch.where(x.advantages > 0, self.temperature_pos, self.temperature_neg)
+        gate = torch.sigmoid(tau * (rho - 1.0)) * (4.0 / tau)
+        token_loss = torch.where(x.kept, x.neg_weighted_adv * gate, 0.0)
+        loss = (token_loss.sum(dim=1) * x.scales).sum()
+        r = rho.detach()
+        return SurrogateOutput(token_loss, loss, _ratio_metrics(x, r, torch.ones_like(x.kept)))
+
+
+def _ratio_metrics(x: SurrogateInputs, ratio: torch.Tensor, unclipped: torch.Tensor) -> dict:
+    """Lazy ``loss/ratio_mean`` and ``loss/clip_frac`` for the plain-autograd surrogates."""
+    n1 = x.n.clamp(min=1)
+    return {
+        "loss/ratio_mean": lambda: torch.where(x.kept, ratio, 0.0).sum() / n1,
+        "loss/clip_frac": lambda: count(x.kept & ~unclipped) / n1,
+        "loss/ppo_kl_k1_mean": lambda: -x.log_ratio.sum() / n1,
+    }
+
+
+#: surrogate name -> class (``sparse_grpo(surrogate=NAME)`` builds it with its defaults)
+SURROGATES = {"ppo": PPOClip, "gspo": GSPO, "cispo": CISPO, "sapo": SAPO}

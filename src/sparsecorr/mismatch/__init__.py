@@ -15,7 +15,6 @@ from .logprobs import (
     truncated_token_logprobs,
 )
 from .metrics import (
-    LOG_RATIO_CLAMP,
     chi2,
     effective_sample_size,
     kl_k1,
@@ -25,12 +24,14 @@ from .metrics import (
     sequence_log_ratio,
 )
 from .quantiles import binned_quantile, masked_quantile
+from .record import LOG_RATIO_CLAMP, Mismatch, measure
 from .sketch import BinnedQuantileSketch, QuantileSketch
 from .summary import mismatch_metrics, quantile_name
 
 __all__ = [
     "LOG_RATIO_CLAMP",
     "BinnedQuantileSketch",
+    "Mismatch",
     "QuantileSketch",
     "acceptance_rate",
     "acceptance_rate_topk",
@@ -42,6 +43,7 @@ __all__ = [
     "kl_k3",
     "log_ratio",
     "masked_quantile",
+    "measure",
     "mismatch_metrics",
     "quantile_name",
     "sequence_log_ratio",

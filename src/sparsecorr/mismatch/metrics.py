@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_choice, check_float_tensor, check_mask, check_same_shape
+from .record import LOG_RATIO_CLAMP
 
 __all__ = [
     "LOG_RATIO_CLAMP",
@@ -33,7 +34,6 @@ __all__ = [
     "sequence_log_ratio",
 ]
 
-LOG_RATIO_CLAMP = 20.0
 
 
 def _check_pair(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> None:

@@ -1,19 +1,24 @@
-"""One call for every mismatch metric of a batch, with stable names, optionally over ranks.
+r"""Every mismatch metric of a batch from its [`Mismatch`][sparsecorr.mismatch.Mismatch] record,
+in a few fused reductions, optionally over ranks.
 
 Names (all detached 0-d float32 tensors; no host synchronisation without a process group):
 
-| name | meaning |
-|---|---|
-| ``mismatch/tokens`` | valid tokens (mask True, both log-probs finite) |
-| ``mismatch/nonfinite_count`` | masked-in tokens dropped because a log-prob was NaN/inf |
-| ``mismatch/log_ratio_mean``, ``_abs_mean``, ``_abs_max`` | \\(\\ell_t\\) = old_logp − rollout_logp (clamped ±20) |
-| ``mismatch/log_ratio_qXX`` | quantiles of \\(\\ell_t\\) (one per requested level) |
-| ``mismatch/ratio_min``, ``mismatch/ratio_max`` | extremes of \\(e^{\\ell_t}\\) |
-| ``mismatch/kl_k1_mean``, ``kl_k2_mean``, ``kl_k3_mean`` | KL(sampler ‖ dense) estimators |
-| ``mismatch/chi2_mean`` | \\(\\chi^2\\) estimator |
-| ``mismatch/acceptance_mean``, ``mismatch/acceptance_qXX`` | when ``acceptance`` is given |
+| name | level | meaning |
+|---|---|---|
+| ``mismatch/tokens`` | default | valid tokens (mask True, both log-probs finite) |
+| ``mismatch/nonfinite_count`` | default | masked-in tokens dropped because a log-prob was NaN/inf |
+| ``mismatch/log_ratio_mean``, ``_abs_max`` | default | \\(\\ell_t\\) = old_logp − rollout_logp (clamped ±20) |
+| ``mismatch/kl_k1_mean``, ``kl_k3_mean`` | default | KL(sampler ‖ dense) estimators |
+| ``mismatch/acceptance_mean`` | default | when the record carries ``acceptance`` |
+| ``mismatch/log_ratio_abs_mean`` | full | mean \\(|\\ell_t|\\) |
+| ``mismatch/ratio_min``, ``mismatch/ratio_max`` | full | extremes of \\(e^{\\ell_t}\\) (NaN when no token) |
+| ``mismatch/kl_k2_mean``, ``mismatch/chi2_mean`` | full | \\(k_2\\) and the \\(\\chi^2\\) estimator |
+| ``mismatch/log_ratio_qXX``, ``mismatch/acceptance_qXX`` | full | quantiles (each sorts the batch) |
 
-``qXX`` is the level in percent: 0.05 → ``q05``, 0.5 → ``q50``, 0.999 → ``q99.9``.
+``qXX`` is the level in percent: 0.05 → ``q05``, 0.5 → ``q50``, 0.999 → ``q99.9``. Means are
+sums over valid tokens divided by their count; with \\(e_t = e^{\\ell_t} - 1\\) (0 outside the
+valid tokens) \\(\\bar k_3 = (\\sum e_t - \\sum \\ell_t)/n\\) and \\(\\overline{\\chi^2} = \\sum e_t^2/n\\).
+A rank with an empty shard takes part in every collective, so ranks stay in step.
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ from collections.abc import Sequence
 
 import torch
 
-from .._checks import check_float_tensor, check_mask, check_same_shape, count
-from .._checks import finite as _finite
-from .._dist import all_gather_varlen, all_reduce_max, all_reduce_min, all_reduce_sum
-from .metrics import log_ratio as _log_ratio
+from .._checks import check_choice, count
+from .._dist import all_gather_varlen, all_reduce_max, all_reduce_sum
 from .quantiles import masked_quantile
+from .record import Mismatch, measure
 
-__all__ = ["mismatch_metrics", "quantile_name"]
+__all__ = ["LEVELS", "mismatch_metrics", "quantile_name"]
+
+LEVELS = ("default", "full")
+DEFAULT_QUANTILES = (0.01, 0.05, 0.5)
 
 
 def quantile_name(q: float) -> str:
@@ -44,74 +51,107 @@ def _quantiles(x: torch.Tensor, valid: torch.Tensor, qs: Sequence[float], group)
     return masked_quantile(vals, torch.ones_like(vals, dtype=torch.bool), list(qs))
 
 
+def _extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.numel() == 0:
+        z = torch.zeros((), device=x.device)
+        return z, z
+    return torch.aminmax(x)
+
+
 def mismatch_metrics(
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    mask: torch.Tensor,
+    mismatch: Mismatch | torch.Tensor,
+    rollout_logp: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
     *,
     acceptance: torch.Tensor | None = None,
-    quantiles: Sequence[float] = (0.01, 0.05, 0.5),
+    level: str = "full",
+    quantiles: Sequence[float] | None = None,
     group: object | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Mismatch metrics of a batch (names in the module docstring).
+    """Mismatch metrics of a batch (names and levels in the module docstring).
 
     Args:
-        old_logp: dense log-probs of the sampled tokens.
-        rollout_logp: sparse sampler log-probs of the same tokens.
-        mask: bool, True = the token counts.
-        acceptance: optional per-token acceptance rate (e.g. from
-            :func:`~sparsecorr.mismatch.acceptance_rate_topk`).
-        quantiles: levels reported for the log-ratio and the acceptance.
+        mismatch: the batch's ``Mismatch`` record, or ``old_logp`` (then ``rollout_logp`` and
+            ``mask`` are required and the record is built here).
+        rollout_logp: the sampler's log-probs, only with tensors.
+        mask: bool, True = the token counts, only with tensors.
+        acceptance: per-token acceptance, only with tensors (a record carries its own).
+        level: ``"default"`` (cheap: four reductions, what the loss logs every step) or
+            ``"full"`` (everything, quantiles included).
+        quantiles: levels of the log-ratio / acceptance quantiles (full level; default
+            0.01, 0.05, 0.5). Given with ``level="default"``, they are added to it.
         group: optional ``torch.distributed`` process group: every metric is then over the
             union of the ranks' batches (quantiles gather the valid values; exact).
 
     Shapes:
         old_logp, rollout_logp, mask, acceptance: ``[B, T]`` -> dict of 0-d tensors.
     """
-    check_float_tensor("old_logp", old_logp)
-    check_float_tensor("rollout_logp", rollout_logp)
-    check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp)
-    check_mask(mask, old_logp)
+    check_choice("level", level, LEVELS)
+    if isinstance(mismatch, Mismatch):
+        if rollout_logp is not None or mask is not None or acceptance is not None:
+            raise ValueError("rollout_logp, mask, acceptance: expected None with a Mismatch "
+                             "record (it carries them), got tensors")
+        mm = mismatch
+    else:
+        if rollout_logp is None or mask is None:
+            raise ValueError("rollout_logp, mask: expected tensors when the first argument is "
+                             f"old_logp, got rollout_logp={type(rollout_logp).__name__}, "
+                             f"mask={type(mask).__name__}")
+        mm = measure(mismatch, rollout_logp, mask, acceptance=acceptance)
+    full = level == "full"
+    qs = tuple(quantiles) if quantiles is not None else (DEFAULT_QUANTILES if full else ())
     with torch.no_grad():
-        finite = _finite(old_logp) & _finite(rollout_logp)
-        valid = mask & finite
-        lr = _log_ratio(old_logp, rollout_logp, valid)
-        n = all_reduce_sum(count(valid), group)
-        denom = n.clamp(min=1)
-
-        def mean(x: torch.Tensor) -> torch.Tensor:
-            return all_reduce_sum(torch.where(valid, x, 0.0).sum(), group) / denom
-
-        big = torch.tensor(float("inf"), device=lr.device)
-        ratio = lr.exp()
-        out = {
-            "mismatch/tokens": n,
-            "mismatch/nonfinite_count": all_reduce_sum(count(mask & ~finite), group),
-            "mismatch/log_ratio_mean": mean(lr),
-            "mismatch/log_ratio_abs_mean": mean(lr.abs()),
-            "mismatch/log_ratio_abs_max": all_reduce_max(torch.where(valid, lr.abs(), 0.0).amax(), group),
-            "mismatch/ratio_min": all_reduce_min(torch.where(valid, ratio, big).amin(), group),
-            "mismatch/ratio_max": all_reduce_max(torch.where(valid, ratio, -big).amax(), group),
-            "mismatch/kl_k1_mean": mean(-lr),
-            "mismatch/kl_k2_mean": mean(0.5 * lr.square()),
-            "mismatch/kl_k3_mean": mean(torch.expm1(lr) - lr),
-            "mismatch/chi2_mean": mean(torch.expm1(lr).square()),
-        }
-        empty = n == 0
-        for key in ("mismatch/ratio_min", "mismatch/ratio_max"):
-            out[key] = torch.where(empty, float("nan"), out[key])
-        if quantiles:
-            for q, v in zip(quantiles, _quantiles(lr, valid, quantiles, group)):
+        out = _moments(mm, full, group)
+        if qs:
+            for q, v in zip(qs, _quantiles(mm.log_ratio, mm.valid, qs, group)):
                 out[f"mismatch/log_ratio_{quantile_name(q)}"] = v
-        if acceptance is not None:
-            check_float_tensor("acceptance", acceptance)
-            check_same_shape(old_logp=old_logp, acceptance=acceptance)
-            acc_valid = valid & _finite(acceptance)
-            acc = acceptance.float()
-            n_acc = all_reduce_sum(count(acc_valid), group)
-            out["mismatch/acceptance_mean"] = all_reduce_sum(
-                torch.where(acc_valid, acc, 0.0).sum(), group) / n_acc.clamp(min=1)
-            if quantiles:
-                for q, v in zip(quantiles, _quantiles(acc, acc_valid, quantiles, group)):
-                    out[f"mismatch/acceptance_{quantile_name(q)}"] = v
+        if mm.acceptance is not None:
+            out.update(_acceptance(mm, qs, group))
     return {k: v.detach().float().reshape(()) for k, v in out.items()}
+
+
+def _moments(mm: Mismatch, full: bool, group) -> dict[str, torch.Tensor]:
+    """Counts, means and extremes: one batched all-reduce for the sums, one for the extremes."""
+    lr = mm.log_ratio
+    e = torch.expm1(lr)  # 0 outside the valid tokens
+    sums = [mm.tokens, mm.nonfinite, lr.sum(), e.sum()]
+    lo, hi = _extremes(lr)
+    ext = [-lo, hi]
+    if full:
+        flat_lr, flat_e = lr.reshape(-1), e.reshape(-1)
+        sums += [lr.abs().sum(), torch.dot(flat_lr, flat_lr), torch.dot(flat_e, flat_e)]
+        mean = sums[2] / mm.tokens.clamp(min=1)  # lies inside [min, max] of the valid values
+        vlo, vhi = _extremes(torch.where(mm.valid, lr, mean))
+        ext += [-vlo, vhi]
+    s = all_reduce_sum(torch.stack(sums), group)
+    # a shard without valid tokens must not move the extremes of the others
+    x = all_reduce_max(torch.where(mm.tokens > 0, torch.stack(ext), float("-inf")), group)
+    n, n1 = s[0], s[0].clamp(min=1)
+    out = {
+        "mismatch/tokens": n,
+        "mismatch/nonfinite_count": s[1],
+        "mismatch/log_ratio_mean": s[2] / n1,
+        "mismatch/log_ratio_abs_max": torch.where(n > 0, torch.maximum(x[0], x[1]), 0.0),
+        "mismatch/kl_k1_mean": -s[2] / n1,
+        "mismatch/kl_k3_mean": ((s[3] - s[2]) / n1).clamp(min=0.0),
+    }
+    if full:
+        nan = torch.full((), float("nan"), device=n.device)
+        out.update({
+            "mismatch/log_ratio_abs_mean": s[4] / n1,
+            "mismatch/ratio_min": torch.where(n > 0, (-x[2]).exp(), nan),
+            "mismatch/ratio_max": torch.where(n > 0, x[3].exp(), nan),
+            "mismatch/kl_k2_mean": 0.5 * s[5] / n1,
+            "mismatch/chi2_mean": s[6] / n1,
+        })
+    return out
+
+
+def _acceptance(mm: Mismatch, qs: Sequence[float], group) -> dict[str, torch.Tensor]:
+    acc = mm.acceptance.detach().float()
+    ok = mm.valid & (acc.abs() < float("inf"))
+    total = all_reduce_sum(torch.stack([torch.where(ok, acc, 0.0).sum(), count(ok)]), group)
+    out = {"mismatch/acceptance_mean": total[0] / total[1].clamp(min=1)}
+    for q, v in zip(qs, _quantiles(acc, ok, qs, group) if qs else ()):
+        out[f"mismatch/acceptance_{quantile_name(q)}"] = v
+    return out

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 from trl import GRPOConfig
 
 from sparsecorr.correction import sparse_rl, trl
-from sparsecorr.losses import sparse_grpo
+from sparsecorr.losses import Aggregation, PPOClip, sparse_grpo
 from sparsecorr.schedules import BudgetSchedule, TailController
 from tests.models import tiny_model
 
@@ -107,8 +107,8 @@ def test_training_logs_metrics_and_loss_matches_hand(tmp_path):
     with torch.no_grad():
         got = trainer._compute_loss(trainer.model, inputs)
     want = sparse_grpo(logp, old, adv, cmask.bool(), rollout_logp=roll, correction=sparse_rl(),
-                       clip_low=0.2, clip_high=0.2, aggregation="seq-mean-token-mean",
-                       norm_length=6.0).loss
+                       surrogate=PPOClip(clip_low=0.2, clip_high=0.2),
+                       aggregation=Aggregation("seq-mean-token-mean", norm_length=6.0)).loss
     torch.testing.assert_close(got, want)
     assert trainer.vllm_importance_sampling_correction is False
 

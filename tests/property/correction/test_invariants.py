@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsecorr.correction import CorrectionInputs
+from sparsecorr.mismatch import measure
 from tests.strategies import logp_batches
 
 from .presets_table import PRESETS
@@ -21,7 +21,7 @@ def _inputs(batch, row, *, dtype=None, acceptance_floor=0.3):
     b, t = batch.mask.shape
     acc = acceptance_floor + (1 - acceptance_floor) * torch.rand(b, t, generator=g) if row.needs_acceptance else None
     adv = torch.randn(b, generator=g) if row.needs_advantages else None
-    return CorrectionInputs(old_logp=old, rollout_logp=roll, mask=batch.mask, acceptance=acc, advantages=adv)
+    return measure(old_logp=old, rollout_logp=roll, mask=batch.mask, acceptance=acc, advantages=adv)
 
 
 def _weight_rejected(row):
@@ -52,7 +52,7 @@ def test_bounds_subset_finite_detached(row, batch):
 def test_identity_at_zero_mismatch(row, batch):
     inp = _inputs(batch, row, acceptance_floor=1.0)  # acceptance 1 everywhere
     if row.needs_advantages:
-        inp = CorrectionInputs(inp.old_logp, inp.rollout_logp, inp.mask, advantages=-torch.ones(batch.mask.shape[0]))
+        inp = measure(inp.old_logp, inp.rollout_logp, inp.mask, advantages=-torch.ones(batch.mask.shape[0]))
     c = row.loose()(inp)
     assert torch.equal(c.mask, batch.mask)
     torch.testing.assert_close(c.weights[batch.mask], torch.ones(int(batch.mask.sum())))
@@ -81,7 +81,7 @@ def test_padding_invariance(row, batch, pad):
     def padded(x, fill):
         return None if x is None else torch.cat([x, fill], dim=1)
 
-    big = CorrectionInputs(
+    big = measure(
         old_logp=padded(inp.old_logp, torch.randn(b, pad, generator=g) * 50),
         rollout_logp=padded(inp.rollout_logp, torch.randn(b, pad, generator=g) * 50),
         mask=padded(inp.mask, torch.zeros(b, pad, dtype=torch.bool)),
@@ -104,7 +104,7 @@ def test_row_permutation_equivariance(row, batch, seed):
     def p(x):
         return None if x is None else x[perm]
 
-    permuted = CorrectionInputs(p(inp.old_logp), p(inp.rollout_logp), p(inp.mask),
+    permuted = measure(p(inp.old_logp), p(inp.rollout_logp), p(inp.mask),
                                 acceptance=p(inp.acceptance), advantages=p(inp.advantages))
     a, c = row.loose()(inp), row.loose()(permuted)
     assert torch.equal(a.mask[perm], c.mask)
@@ -116,7 +116,7 @@ def test_row_permutation_equivariance(row, batch, seed):
 @settings(max_examples=15)
 def test_bf16_inputs_match_fp32_of_the_same_values(row, batch):
     bf = _inputs(batch, row, dtype=torch.bfloat16)
-    fp = CorrectionInputs(bf.old_logp.float(), bf.rollout_logp.float(), bf.mask,
+    fp = measure(bf.old_logp.float(), bf.rollout_logp.float(), bf.mask,
                           acceptance=bf.acceptance, advantages=bf.advantages)
     a, c = row.loose()(bf), row.loose()(fp)
     assert torch.equal(a.mask, c.mask)

@@ -5,8 +5,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparsecorr.correction import icepop, mis, sparrow, sparse_rl, tis
-from sparsecorr.losses import AGGREGATIONS, sparse_grpo
+from sparsecorr.losses import AGGREGATIONS
 from tests.strategies import logp_batches
+from tests.unit.losses.helpers import grpo
 
 PRESETS = {"sparse_rl": sparse_rl, "tis": tis, "sparrow": sparrow, "icepop": icepop, "mis": mis}
 PRESET = st.sampled_from(sorted(PRESETS))
@@ -19,7 +20,7 @@ def _adv(batch):
 
 def _loss(batch, preset, aggregation, *, logp=None, **kw):
     lp = (batch.logp if logp is None else logp).clone().requires_grad_(True)
-    out = sparse_grpo(lp, batch.old_logp, _adv(batch), batch.mask, rollout_logp=batch.rollout_logp,
+    out = grpo(lp, batch.old_logp, _adv(batch), batch.mask, rollout_logp=batch.rollout_logp,
                       correction=PRESETS[preset](), aggregation=aggregation, **kw)
     out.loss.backward()
     return out, lp.grad
@@ -38,7 +39,7 @@ def test_nan_rollout_never_reaches_loss_with_any_preset(batch, preset, aggregati
 def test_zero_mismatch_correction_is_identity(batch, preset, aggregation):
     out, grad = _loss(batch, preset, aggregation)
     lp = batch.logp.clone().requires_grad_(True)
-    plain = sparse_grpo(lp, batch.old_logp, _adv(batch), batch.mask, aggregation=aggregation)
+    plain = grpo(lp, batch.old_logp, _adv(batch), batch.mask, aggregation=aggregation)
     plain.loss.backward()
     torch.testing.assert_close(out.loss, plain.loss)
     torch.testing.assert_close(grad, lp.grad)

@@ -4,8 +4,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsecorr.losses import AGGREGATIONS, kl_from_logits, sparse_grpo, sparse_kl_k3
+from sparsecorr.losses import AGGREGATIONS, kl_from_logits, sparse_kl_k3
 from tests.strategies import logp_batches
+from tests.unit.losses.helpers import grpo
 
 AGG = st.sampled_from(AGGREGATIONS)
 LEVEL = st.sampled_from(["token", "sequence"])
@@ -17,7 +18,7 @@ def _adv(batch, seed=0):
 
 def _run(batch, adv, **kw):
     lp = batch.logp.clone().requires_grad_(True)
-    out = sparse_grpo(lp, batch.old_logp, adv, batch.mask, **kw)
+    out = grpo(lp, batch.old_logp, adv, batch.mask, **kw)
     out.loss.backward()
     return out, lp.grad
 
@@ -61,10 +62,10 @@ def test_padding_invariance(batch, aggregation, ratio_level, extra):
 
     lp = pad(batch.logp).clone().requires_grad_(True)
     mask = torch.cat([batch.mask, torch.zeros(b, extra, dtype=torch.bool)], dim=1)
-    out = sparse_grpo(lp, pad(batch.old_logp), adv, mask, aggregation=aggregation, ratio_level=ratio_level,
+    out = grpo(lp, pad(batch.old_logp), adv, mask, aggregation=aggregation, ratio_level=ratio_level,
                       rollout_logp=pad(batch.rollout_logp), **kw)
     out.loss.backward()
-    ref = sparse_grpo(batch.logp, batch.old_logp, adv, batch.mask, aggregation=aggregation,
+    ref = grpo(batch.logp, batch.old_logp, adv, batch.mask, aggregation=aggregation,
                       ratio_level=ratio_level, rollout_logp=batch.rollout_logp, **kw)
     torch.testing.assert_close(out.loss, ref.loss)
     torch.testing.assert_close(out.loss, base.loss)
@@ -77,10 +78,10 @@ def test_bf16_matches_fp32(batch, aggregation, ratio_level):
     adv = _adv(batch)
     lp32 = batch.logp.bfloat16().float().requires_grad_(True)
     old32 = batch.old_logp.bfloat16().float()
-    out32 = sparse_grpo(lp32, old32, adv, batch.mask, aggregation=aggregation, ratio_level=ratio_level)
+    out32 = grpo(lp32, old32, adv, batch.mask, aggregation=aggregation, ratio_level=ratio_level)
     out32.loss.backward()
     lp16 = batch.logp.bfloat16().requires_grad_(True)
-    out16 = sparse_grpo(lp16, batch.old_logp.bfloat16(), adv, batch.mask, aggregation=aggregation,
+    out16 = grpo(lp16, batch.old_logp.bfloat16(), adv, batch.mask, aggregation=aggregation,
                         ratio_level=ratio_level)
     out16.loss.backward()
     assert out16.loss.dtype == torch.float32 and lp16.grad.dtype == torch.bfloat16
@@ -94,7 +95,7 @@ def test_row_permutation_equivariance(batch, seed):
     adv = _adv(batch)
     out, g = _run(batch, adv, aggregation="seq-mean-token-mean")
     lp = batch.logp[perm].clone().requires_grad_(True)
-    outp = sparse_grpo(lp, batch.old_logp[perm], adv[perm], batch.mask[perm], aggregation="seq-mean-token-mean")
+    outp = grpo(lp, batch.old_logp[perm], adv[perm], batch.mask[perm], aggregation="seq-mean-token-mean")
     outp.loss.backward()
     torch.testing.assert_close(outp.loss, out.loss)
     torch.testing.assert_close(lp.grad, g[perm])

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from sparsecorr.correction import (
-    CorrectionInputs,
     band_mask,
     batch_normalize,
     chain,
@@ -26,6 +25,7 @@ from sparsecorr.correction import (
     veto,
     veto_mask,
 )
+from sparsecorr.mismatch import measure
 
 LN = math.log
 # ratios r = [1, 4, 0.25, 1e-5]: log-ratios
@@ -35,7 +35,7 @@ MASK = torch.tensor([[True, True, True, True], [True, True, True, False]])
 
 def _inputs(lr=LR, mask=MASK, **kw):
     rollout = -torch.ones_like(lr) * 3
-    return CorrectionInputs(old_logp=rollout + lr, rollout_logp=rollout, mask=mask, **kw)
+    return measure(old_logp=rollout + lr, rollout_logp=rollout, mask=mask, **kw)
 
 
 def test_token_is_weights_truncates_and_masks():
@@ -139,7 +139,7 @@ def test_nonfinite_rollout_is_masked_and_counted():
     roll = inp.rollout_logp.clone()
     roll[1, 0] = float("nan")
     roll[1, 1] = float("inf")
-    bad = CorrectionInputs(old_logp=inp.old_logp, rollout_logp=roll, mask=MASK)
+    bad = measure(old_logp=inp.old_logp, rollout_logp=roll, mask=MASK)
     for preset in (tis(), sparse_rl(), icepop(), trl(), openrlhf()):
         c = preset(bad)
         assert not c.mask[1, 0] and not c.mask[1, 1]
@@ -156,7 +156,9 @@ def test_sparse_tail_needs_acceptance():
 
 def test_get_preset_and_errors():
     assert get_preset("tis", cap=3.0) == tis(cap=3.0)
-    assert get_preset("trl:token_mask") == trl("token_mask")
+    assert get_preset("trl", mode="token_mask") == trl("token_mask")
+    with pytest.raises(ValueError, match="name"):
+        get_preset("trl:token_mask")  # the string mini-language is gone
     assert get_preset("none") is None
     with pytest.raises(ValueError, match="name: expected one of"):
         get_preset("nope")
@@ -165,7 +167,7 @@ def test_get_preset_and_errors():
     with pytest.raises(ValueError, match="mode"):
         trl("token_weird")
     with pytest.raises(ValueError, match="advantages"):
-        CorrectionInputs(old_logp=LR, rollout_logp=LR, mask=MASK, advantages=torch.zeros(3))
+        measure(old_logp=LR, rollout_logp=LR, mask=MASK, advantages=torch.zeros(3))
     with pytest.raises(ValueError, match="corrections"):
         chain()
 
@@ -173,7 +175,7 @@ def test_get_preset_and_errors():
 def test_weights_are_detached():
     inp = _inputs()
     old = inp.old_logp.clone().requires_grad_()
-    c = sparse_rl()(CorrectionInputs(old_logp=old, rollout_logp=inp.rollout_logp, mask=MASK))
+    c = sparse_rl()(measure(old_logp=old, rollout_logp=inp.rollout_logp, mask=MASK))
     assert not c.weights.requires_grad
     assert all(not v.requires_grad for v in c.metrics.values())
     assert veto()(inp).weights.dtype == torch.float32

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sparsecorr.correction import CorrectionInputs, openrlhf, trl
+from sparsecorr.correction import openrlhf, trl
+from sparsecorr.mismatch import measure
 from tests.openrlhf_shim import load_openrlhf_loss_module, openrlhf_available
 
 
@@ -58,7 +59,7 @@ def test_trl_presets_equal_trl_code(mode, clip, seed):
     }
     exec(compile(block, "trl_grpo_is_block", "exec"), ns)
     trl_ratio = ns["vllm_importance_sampling_ratio"].expand_as(old)
-    ours = trl(mode, clip_min=clip_min, clip_max=clip_max)(CorrectionInputs(old, rollout, mask))
+    ours = trl(mode, clip_min=clip_min, clip_max=clip_max)(measure(old, rollout, mask))
     # TRL's ratio is defined at padded positions too (1 for token modes); compare where it counts
     torch.testing.assert_close(ours.weights[mask], trl_ratio[mask].float(), rtol=1e-5, atol=1e-6)
     assert torch.equal(ours.mask, mask)  # TRL keeps rejected tokens in the denominator
@@ -92,7 +93,7 @@ def test_openrlhf_presets_equal_policy_loss_weights(setting, seed):
     loss, *_ = policy(log_probs, old, advantages, action_mask=mask.float(), rollout_log_probs=rollout)
     loss.backward()
     peer_weights = log_probs.grad * mask.sum()  # token-level mean: d loss / d logp_t = coef_t / N
-    ours = openrlhf(level, mode, gating, threshold)(CorrectionInputs(old, rollout, mask))
+    ours = openrlhf(level, mode, gating, threshold)(measure(old, rollout, mask))
     torch.testing.assert_close(ours.weights, torch.where(mask, peer_weights, 0.0), rtol=1e-4, atol=1e-6)
     assert torch.equal(ours.mask, mask)
     # the aggregated loss agrees too: mean of the weights over valid tokens
@@ -107,6 +108,6 @@ def test_openrlhf_off_is_identity():
     log_probs = old.clone().requires_grad_(True)
     loss, *_ = policy(log_probs, old, -torch.ones_like(old), action_mask=mask.float(),
                       rollout_log_probs=rollout)
-    ours = openrlhf("off")(CorrectionInputs(old, rollout, mask))
+    ours = openrlhf("off")(measure(old, rollout, mask))
     assert float(loss.detach()) == pytest.approx(1.0)
     assert (ours.weights[mask] == 1).all()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sparsecorr.losses import AGGREGATIONS, sparse_grpo
+from tests.unit.losses.helpers import grpo
 from tests.unit.losses.reference import loop_grpo_loss
 
 
@@ -30,7 +31,7 @@ def test_value_and_gradient_match_loop_reference(aggregation, ratio_level, dual_
     d = _batch()
     clip_high = 0.28 if ratio_level == "token" else 0.05
     lp = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp, d["old_logp"], d["advantages"], d["mask"], clip_high=clip_high,
+    out = grpo(lp, d["old_logp"], d["advantages"], d["mask"], clip_high=clip_high,
                       dual_clip=dual_clip, ratio_level=ratio_level, aggregation=aggregation,
                       ref_logp=d["ref_logp"], kl_coef=0.1)
     out.loss.backward()
@@ -48,7 +49,7 @@ def test_value_and_gradient_match_loop_reference(aggregation, ratio_level, dual_
 def test_plain_grpo_hand_computed():
     # one sequence, two tokens, A = 1: ratios e^{0.5} (clipped at 1.2) and e^{-0.1}
     logp = torch.tensor([[0.5, -0.1]], requires_grad=True)
-    out = sparse_grpo(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool))
+    out = grpo(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool))
     expected = -(1.2 + torch.exp(torch.tensor(-0.1))) / 2
     torch.testing.assert_close(out.loss, expected)
     out.loss.backward()
@@ -58,10 +59,10 @@ def test_plain_grpo_hand_computed():
 
 def test_per_token_advantages_equal_broadcast():
     d = _batch()
-    a = sparse_grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"]).loss
+    a = grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"]).loss
     adv_bt = d["advantages"][:, None].expand(d["mask"].shape).clone()
     adv_bt[~d["mask"]] = float("nan")
-    b = sparse_grpo(d["logp"], d["old_logp"], adv_bt, d["mask"]).loss
+    b = grpo(d["logp"], d["old_logp"], adv_bt, d["mask"]).loss
     torch.testing.assert_close(a, b)
 
 
@@ -69,14 +70,14 @@ def test_per_token_advantages_equal_broadcast():
 def test_sharding_invariance(aggregation):
     d = _batch(b=8, t=9, seed=3)
     lp = d["logp"].clone().requires_grad_(True)
-    whole = sparse_grpo(lp, d["old_logp"], d["advantages"], d["mask"], aggregation=aggregation,
+    whole = grpo(lp, d["old_logp"], d["advantages"], d["mask"], aggregation=aggregation,
                         rollout_logp=d["rollout_logp"])
     whole.loss.backward()
     n_tok, n_seq = d["mask"].sum(), d["mask"].any(1).sum()
     total = 0.0
     lp2 = d["logp"].clone().requires_grad_(True)
     for rows in (slice(0, 3), slice(3, 8)):
-        part = sparse_grpo(lp2[rows], d["old_logp"][rows], d["advantages"][rows], d["mask"][rows],
+        part = grpo(lp2[rows], d["old_logp"][rows], d["advantages"][rows], d["mask"][rows],
                            aggregation=aggregation, num_tokens=n_tok, num_sequences=n_seq,
                            rollout_logp=d["rollout_logp"][rows])
         part.loss.backward()
@@ -91,10 +92,10 @@ def test_rollout_without_correction_measures_only_and_masks_nonfinite():
     rollout[0, 0] = float("nan")
     rollout[1, 0] = float("inf")
     lp = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp, d["old_logp"], d["advantages"], d["mask"], rollout_logp=rollout)
+    out = grpo(lp, d["old_logp"], d["advantages"], d["mask"], rollout_logp=rollout)
     keep = d["mask"].clone()
     keep[0, 0] = keep[1, 0] = False
-    plain = sparse_grpo(d["logp"], d["old_logp"], d["advantages"], keep)
+    plain = grpo(d["logp"], d["old_logp"], d["advantages"], keep)
     torch.testing.assert_close(out.loss, plain.loss)  # no reweighting
     assert out.metrics["loss/nonfinite_rollout"] == 2
     assert "mismatch/kl_k3_mean" in out.metrics and torch.isfinite(out.loss)
@@ -106,14 +107,14 @@ def test_rollout_without_correction_measures_only_and_masks_nonfinite():
 def test_correction_without_rollout_is_an_error():
     d = _batch()
     with pytest.raises(ValueError, match="rollout_logp"):
-        sparse_grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], correction=lambda x: x)
+        grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], correction=lambda x: x)
 
 
 def test_metrics_are_detached_scalars_with_stable_names():
     d = _batch()
     lp = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp, d["old_logp"], d["advantages"], d["mask"], dual_clip=3.0,
-                      ref_logp=d["ref_logp"], rollout_logp=d["rollout_logp"])
+    out = grpo(lp, d["old_logp"], d["advantages"], d["mask"], dual_clip=3.0,
+               ref_logp=d["ref_logp"], rollout_logp=d["rollout_logp"], metrics="full")
     for name in ["loss/clip_frac_low", "loss/clip_frac_high", "loss/clip_frac_dual", "loss/ratio_mean",
                  "loss/ratio_min", "loss/ratio_max", "loss/kl_ref_k3_mean", "loss/ppo_kl_k1_mean",
                  "loss/tokens", "loss/sequences", "loss/pg_loss", "mismatch/kl_k3_mean"]:
@@ -126,7 +127,7 @@ def test_metrics_are_detached_scalars_with_stable_names():
 def test_clip_fractions_hand_worked():
     logp = torch.log(torch.tensor([[0.5, 1.5, 5.0, 1.0]]))
     adv = torch.tensor([[-1.0, 1.0, -1.0, 1.0]])
-    out = sparse_grpo(logp, torch.zeros(1, 4), adv, torch.ones(1, 4, dtype=torch.bool), dual_clip=3.0)
+    out = grpo(logp, torch.zeros(1, 4), adv, torch.ones(1, 4, dtype=torch.bool), dual_clip=3.0)
     assert out.metrics["loss/clip_frac_low"] == 0.25  # token 0: A<0, ratio 0.5 < 0.8
     assert out.metrics["loss/clip_frac_high"] == 0.25  # token 1: A>0, ratio 1.5 > 1.2
     assert out.metrics["loss/clip_frac_dual"] == 0.25  # token 2: A<0, ratio 5 > 3
@@ -139,7 +140,8 @@ def test_clip_fractions_hand_worked():
     [
         (dict(clip_low=1.5), "clip_low"),
         (dict(dual_clip=0.5), "dual_clip"),
-        (dict(ratio_level="seq"), "ratio_level"),
+        (dict(surrogate="seq"), "surrogate"),
+        (dict(metrics="some"), "metrics"),
         (dict(aggregation="mean"), "aggregation"),
         (dict(kl_coef=0.1), "ref_logp"),
         (dict(advantages=torch.zeros(3)), "advantages"),
@@ -153,14 +155,17 @@ def test_errors(kwargs, match):
     hp = {k: kwargs.pop(k) for k in list(kwargs) if k not in args}
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        sparse_grpo(**args, **hp)
+        if "surrogate" in hp or "metrics" in hp:
+            sparse_grpo(**args, **hp)
+        else:
+            grpo(**args, **hp)
 
 
 def test_log_ratio_clamp_edge_has_no_gradient_and_finite_loss():
     # log-ratios beyond ±20: the ratio is pinned at e^{±20}, the clipped branch gets no gradient
     logp = torch.tensor([[30.0, -30.0, 30.0, -30.0]], requires_grad=True)
     adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0]])
-    out = sparse_grpo(logp, torch.zeros(1, 4), adv, torch.ones(1, 4, dtype=torch.bool))
+    out = grpo(logp, torch.zeros(1, 4), adv, torch.ones(1, 4, dtype=torch.bool))
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert torch.equal(logp.grad, torch.zeros(1, 4))
@@ -171,28 +176,28 @@ def test_log_ratio_clamp_edge_has_no_gradient_and_finite_loss():
 
 def test_validate_false_gives_same_result():
     d = _batch()
-    a = sparse_grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"])
-    b = sparse_grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], validate=False)
+    a = grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"])
+    b = grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], validate=False)
     torch.testing.assert_close(a.loss, b.loss)
 
 
 def test_token_loss_backward_matches_loss_backward():
     d = _batch()
     lp1 = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp1, d["old_logp"], d["advantages"], d["mask"])
+    out = grpo(lp1, d["old_logp"], d["advantages"], d["mask"])
     out.loss.backward()
     lp2 = d["logp"].clone().requires_grad_(True)
-    out2 = sparse_grpo(lp2, d["old_logp"], d["advantages"], d["mask"])
+    out2 = grpo(lp2, d["old_logp"], d["advantages"], d["mask"])
     (out2.token_loss.sum() / d["mask"].sum()).backward()  # token-mean by hand from token_loss
     torch.testing.assert_close(lp2.grad, lp1.grad)
 
 
 def test_mismatch_metrics_can_be_turned_off():
     d = _batch()
-    on = sparse_grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
-                     mismatch_quantiles=(0.05,))
-    off = sparse_grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
-                      mismatch=False)
+    on = grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
+                     metrics="full")
+    off = grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
+                      metrics="none")
     assert "mismatch/log_ratio_q05" in on.metrics
     assert not any(k.startswith("mismatch/") for k in off.metrics)
     torch.testing.assert_close(on.loss, off.loss)

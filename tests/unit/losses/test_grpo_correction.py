@@ -5,8 +5,10 @@ import itertools
 import pytest
 import torch
 
-from sparsecorr.correction.base import Correction, CorrectionInputs
-from sparsecorr.losses import AGGREGATIONS, sparse_grpo
+from sparsecorr.correction import Correction
+from sparsecorr.losses import AGGREGATIONS
+from sparsecorr.mismatch import measure
+from tests.unit.losses.helpers import grpo
 from tests.unit.losses.reference import loop_grpo_loss
 from tests.unit.losses.test_grpo import _batch
 
@@ -14,10 +16,11 @@ from tests.unit.losses.test_grpo import _batch
 def fixed_correction(weights, reject):
     """A test correction with known weights and rejections (reject = True drops the token)."""
 
-    def correct(inputs: CorrectionInputs) -> Correction:
-        keep = inputs.mask & ~reject & torch.isfinite(inputs.rollout_logp)
-        return Correction(weights=torch.where(keep, weights, 0.0), mask=keep,
-                          metrics={"correction/kept_token_frac": keep.sum() / inputs.mask.sum()})
+    def correct(mm) -> Correction:
+        keep = mm.valid & ~reject
+        return Correction(mask=keep, token_weights=torch.where(keep, weights, 0.0),
+                          piece_metrics={"correction/fixed_frac": keep.sum() / mm.mask.sum()},
+                          source=mm)
 
     return correct
 
@@ -32,7 +35,7 @@ def test_weighted_loss_matches_loop_reference(aggregation, ratio_level):
     d = _batch(b=6, t=8, seed=1)
     w, reject = _weights(d["mask"].shape)
     lp = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp, d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
+    out = grpo(lp, d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
                       correction=fixed_correction(w, reject), aggregation=aggregation,
                       ratio_level=ratio_level, clip_high=0.28 if ratio_level == "token" else 0.05)
     out.loss.backward()
@@ -53,13 +56,13 @@ def test_precomputed_correction_equals_callable_and_weights_are_detached():
     w, reject = _weights(d["mask"].shape)
     param = torch.ones((), requires_grad=True)
     fn = fixed_correction(w * param, reject)  # weights that would carry a gradient
-    corr = fn(CorrectionInputs(old_logp=d["old_logp"], rollout_logp=d["rollout_logp"], mask=d["mask"]))
-    assert corr.weights.requires_grad
+    corr = fn(measure(old_logp=d["old_logp"], rollout_logp=d["rollout_logp"], mask=d["mask"]))
+    assert corr.token_weights.requires_grad and not corr.weights.requires_grad
     lp = d["logp"].clone().requires_grad_(True)
-    a = sparse_grpo(lp, d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"], correction=fn)
+    a = grpo(lp, d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"], correction=fn)
     a.loss.backward()
     assert param.grad is None  # detached inside the loss
-    b = sparse_grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
+    b = grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
                     correction=corr)
     torch.testing.assert_close(a.loss, b.loss)
 
@@ -71,11 +74,11 @@ def test_sequence_rejected_whole_gets_no_gradient_and_no_advantage():
     reject = torch.zeros_like(d["mask"])
     reject[1] = True  # sequence 1 vetoed
     corr = fixed_correction(torch.ones(d["mask"].shape), reject)(
-        CorrectionInputs(old_logp=d["old_logp"], rollout_logp=d["rollout_logp"], mask=d["mask"]))
+        measure(old_logp=d["old_logp"], rollout_logp=d["rollout_logp"], mask=d["mask"]))
     adv = group_advantages(torch.tensor([1.0, 5.0, 0.0, 0.5]), group_size=4, valid=corr.sequence_mask)
     assert adv[1] == 0
     lp = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp, d["old_logp"], adv, d["mask"], rollout_logp=d["rollout_logp"], correction=corr,
+    out = grpo(lp, d["old_logp"], adv, d["mask"], rollout_logp=d["rollout_logp"], correction=corr,
                       aggregation="seq-mean-token-mean")
     out.loss.backward()
     assert (lp.grad[1] == 0).all()
@@ -91,10 +94,10 @@ def test_nonfinite_rollout_with_correction_is_counted_and_dropped():
 
     def correct(inputs):
         seen["mask"] = inputs.mask
-        return Correction(weights=w, mask=inputs.mask.clone(), metrics={})  # forgets to drop NaN
+        return Correction(mask=inputs.mask.clone(), token_weights=w)  # forgets to drop NaN
 
     lp = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp, d["old_logp"], d["advantages"], d["mask"], rollout_logp=rollout, correction=correct)
+    out = grpo(lp, d["old_logp"], d["advantages"], d["mask"], rollout_logp=rollout, correction=correct)
     out.loss.backward()
     assert torch.equal(seen["mask"], d["mask"])  # the correction sees the caller's mask
     assert not out.mask[0, 0] and out.metrics["loss/nonfinite_rollout"] == 1
@@ -105,12 +108,14 @@ def test_bad_correction_results():
     d = _batch()
     args = (d["logp"], d["old_logp"], d["advantages"], d["mask"])
     with pytest.raises(ValueError, match="correction"):
-        sparse_grpo(*args, rollout_logp=d["rollout_logp"], correction=lambda inputs: inputs.mask)
+        grpo(*args, rollout_logp=d["rollout_logp"], correction=lambda inputs: inputs.mask)
     with pytest.raises(ValueError, match="correction"):
-        sparse_grpo(*args, rollout_logp=d["rollout_logp"], correction=3.0)
-    bad = Correction(weights=torch.ones(2, 2), mask=torch.ones(2, 2, dtype=torch.bool), metrics={})
-    with pytest.raises(ValueError, match=r"correction\.weights"):
-        sparse_grpo(*args, rollout_logp=d["rollout_logp"], correction=bad)
+        grpo(*args, rollout_logp=d["rollout_logp"], correction=3.0)
+    bad = Correction(mask=torch.ones(2, 2, dtype=torch.bool), token_weights=torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"correction\.mask"):
+        grpo(*args, rollout_logp=d["rollout_logp"], correction=bad)
+    with pytest.raises(ValueError, match="token_weights"):
+        Correction(mask=torch.ones(2, 2, dtype=torch.bool), token_weights=torch.ones(2, 3))
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
@@ -118,13 +123,13 @@ def test_sharding_invariance_with_correction(aggregation):
     d = _batch(b=8, t=9, seed=4)
     w, reject = _weights(d["mask"].shape)
     fn = fixed_correction(w, reject)
-    whole = sparse_grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
+    whole = grpo(d["logp"], d["old_logp"], d["advantages"], d["mask"], rollout_logp=d["rollout_logp"],
                         correction=fn, aggregation=aggregation)
     kept = whole.mask
     total = 0.0
     for rows in (slice(0, 5), slice(5, 8)):
         shard_fn = fixed_correction(w[rows], reject[rows])
-        part = sparse_grpo(d["logp"][rows], d["old_logp"][rows], d["advantages"][rows], d["mask"][rows],
+        part = grpo(d["logp"][rows], d["old_logp"][rows], d["advantages"][rows], d["mask"][rows],
                            rollout_logp=d["rollout_logp"][rows], correction=shard_fn, aggregation=aggregation,
                            num_tokens=kept.sum(), num_sequences=kept.any(1).sum())
         total = total + part.loss
@@ -136,7 +141,7 @@ def test_advantages_reach_the_correction_in_any_accepted_shape():
 
     d = _batch(b=6, t=8, seed=7)
     adv = d["advantages"]
-    outs = [sparse_grpo(d["logp"], d["old_logp"], a, d["mask"], rollout_logp=d["rollout_logp"],
+    outs = [grpo(d["logp"], d["old_logp"], a, d["mask"], rollout_logp=d["rollout_logp"],
                         correction=opsm(delta=0.05))
             for a in (adv, adv[:, None], adv[:, None].expand(d["mask"].shape).contiguous())]
     for out in outs[1:]:

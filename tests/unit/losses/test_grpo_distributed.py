@@ -6,9 +6,10 @@ import torch
 import torch.distributed as dist
 
 from sparsecorr._dist import all_reduce_sum
-from sparsecorr.correction import CorrectionInputs, sparse_rl
-from sparsecorr.losses import sparse_grpo
+from sparsecorr.correction import sparse_rl
+from sparsecorr.mismatch import measure
 from tests.distributed import run_gloo
+from tests.unit.losses.helpers import grpo
 
 pytestmark = pytest.mark.dist
 
@@ -27,13 +28,13 @@ def _batch():
 
 
 def _loss(logp, old, rollout, mask, adv, aggregation, group=None):
-    corr = sparse_rl(group=group)(CorrectionInputs(old_logp=old, rollout_logp=rollout, mask=mask))
+    corr = sparse_rl(group=group)(measure(old_logp=old, rollout_logp=rollout, mask=mask))
     kept = corr.mask & mask
     n_tok = all_reduce_sum(kept.sum().float(), group)
     n_seq = all_reduce_sum(kept.any(1).sum().float(), group)
     lp = logp.clone().requires_grad_(True)
-    out = sparse_grpo(lp, old, adv, mask, rollout_logp=rollout, correction=corr, aggregation=aggregation,
-                      num_tokens=n_tok, num_sequences=n_seq, mismatch=False)
+    out = grpo(lp, old, adv, mask, rollout_logp=rollout, correction=corr, aggregation=aggregation,
+                      num_tokens=n_tok, num_sequences=n_seq, metrics="none")
     out.loss.backward()
     return out.loss.detach(), lp.grad
 

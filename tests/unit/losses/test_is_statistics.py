@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sparsecorr.correction import sequence_is
-from sparsecorr.losses import sparse_grpo
+from tests.unit.losses.helpers import grpo
 
 P = torch.tensor([0.6, 0.3, 0.1])  # dense
 Q = torch.tensor([0.2, 0.3, 0.5])  # sparse sampler
@@ -54,7 +54,7 @@ def estimate(sample, cap):
     y, old_logp, rollout_logp = sample
     f = reward(y)
     mask = torch.ones(N, T, dtype=torch.bool)
-    out = sparse_grpo(old_logp.clone(), old_logp, f, mask, rollout_logp=rollout_logp,
+    out = grpo(old_logp.clone(), old_logp, f, mask, rollout_logp=rollout_logp,
                       correction=seq_is(cap), aggregation="seq-mean-token-mean")
     per_seq = (out.token_loss.sum(1) / T).neg()  # w_i f_i, for the standard error
     se = per_seq.std().item() / math.sqrt(N)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sparsecorr.correction import openrlhf
-from sparsecorr.losses import sparse_grpo
 from tests.openrlhf_shim import load_openrlhf_loss_module, openrlhf_available
+from tests.unit.losses.helpers import grpo
 
 pytestmark = pytest.mark.skipif(not openrlhf_available(), reason="openrlhf not installed")
 
@@ -38,7 +38,7 @@ def test_token_level_matches_openrlhf_policy_loss(mode, threshold, dual_clip):
                          rollout_log_probs=rollout)
     peer_loss.backward()
     lp = logp.clone().requires_grad_(True)
-    out = sparse_grpo(lp, old, adv, mask, rollout_logp=rollout,
+    out = grpo(lp, old, adv, mask, rollout_logp=rollout,
                       correction=openrlhf(level="token", mode=mode, threshold=threshold),
                       clip_high=0.28, dual_clip=dual_clip, num_tokens=mask.sum())
     out.loss.backward()
@@ -54,7 +54,7 @@ def test_gspo_matches_openrlhf_gspo():
     peer_loss, *_ = peer(lp_peer, old, adv[:, None].expand_as(logp), action_mask=mask.float())
     peer_loss.backward()
     lp = logp.clone().requires_grad_(True)
-    out = sparse_grpo(lp, old, adv, mask, ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
+    out = grpo(lp, old, adv, mask, ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
                       aggregation="seq-mean-token-mean")
     out.loss.backward()
     torch.testing.assert_close(out.loss, peer_loss)

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from sparsecorr.correction import CorrectionFn, get_preset, openrlhf
-from sparsecorr.losses import sparse_grpo
+from sparsecorr.losses import GSPO, Aggregation, PPOClip, sparse_grpo
+from sparsecorr.mismatch import measure, mismatch_metrics
 
 __all__ = ["SparsePolicyLoss"]
 
@@ -112,17 +113,22 @@ class SparsePolicyLoss(nn.Module):
                 "train silently without it"
             )
         token = self.token_level_loss
-        out = sparse_grpo(
-            log_probs, old_log_probs, advantages, mask,
-            rollout_logp=rollout_log_probs, correction=self.correction,
-            clip_low=self.clip_eps_low, clip_high=self.clip_eps_high, dual_clip=self.dual_clip,
-            ratio_level="sequence" if self.policy_loss_type == "gspo" else "token",
-            aggregation="token-mean" if token else "seq-mean-token-mean",
+        if self.policy_loss_type == "gspo":
+            surrogate = GSPO(clip_low=self.clip_eps_low, clip_high=self.clip_eps_high)
+        else:
+            surrogate = PPOClip(clip_low=self.clip_eps_low, clip_high=self.clip_eps_high,
+                                dual_clip=self.dual_clip)
+        aggregation = Aggregation(
+            "token-mean" if token else "seq-mean-token-mean",
             num_tokens=None if (batch_num_tokens is None or not token) else batch_num_tokens / dp_size,
-            num_sequences=None if (global_batch_size is None or token) else global_batch_size / dp_size,
-            mismatch=rollout_log_probs is not None,
-            mismatch_quantiles=self.metrics_quantiles if rollout_log_probs is not None else (),
-        )
+            num_sequences=None if (global_batch_size is None or token) else global_batch_size / dp_size)
+        mm = None
+        if rollout_log_probs is not None:
+            mm = measure(old_log_probs, rollout_log_probs, mask)
+        out = sparse_grpo(log_probs, old_log_probs, advantages, mask, mismatch=mm,
+                          correction=self.correction, surrogate=surrogate, aggregation=aggregation)
+        if mm is not None and self.metrics_quantiles:
+            out.metrics.update(mismatch_metrics(mm, level="default", quantiles=self.metrics_quantiles))
         clip_ratio, ppo_kl = self._ppo_stats(log_probs, old_log_probs, advantages, mask)
         vllm_kl = filter_ratio = None
         if self.correction is not None:

@@ -3,7 +3,7 @@
 Accepts every argument of ``python -m openrlhf.cli.train_ppo_ray`` plus:
 
     --sparsecorr.correction NAME     a sparsecorr preset: sparse_rl, tis, icepop, mis, sparrow,
-                                     sparse_tail, geo_rs, openrlhf, trl:MODE, ... (default sparse_rl)
+                                     sparse_tail, geo_rs, openrlhf, trl (with numbers mode=...), ... (default sparse_rl)
     --sparsecorr.cap X --sparsecorr.low X --sparsecorr.high X --sparsecorr.veto_threshold X
     --sparsecorr.q X --sparsecorr.tau X --sparsecorr.delta X --sparsecorr.threshold X
                                      the preset's numbers (only those given are passed)

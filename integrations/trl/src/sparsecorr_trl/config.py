@@ -26,7 +26,7 @@ class SparseCorrConfig:
 
     Attributes:
         correction: preset name for ``sparsecorr.correction.get_preset`` (``"sparse_rl"``,
-            ``"tis"``, ``"trl:token_mask"``, ``"none"`` ...).
+            ``"tis"``, ``"trl"``, ``"none"`` ...).
         correction_kwargs: numbers passed to the preset, e.g. ``{"cap": 2.0}``.
         log_metrics: copy the loss's ``mismatch/*`` and ``correction/*`` metrics and the
             rollout statistics into TRL's logged metrics.

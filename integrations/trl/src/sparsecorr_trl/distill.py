@@ -26,7 +26,7 @@ import torch
 
 from sparsecorr._modes import eval_mode
 from sparsecorr.decoding import teacher_forced_logprobs
-from sparsecorr.losses import adapter_parameters, distill_sparse_loss
+from sparsecorr.losses import PPOClip, adapter_parameters, distill_sparse_loss
 
 
 class AdapterStep:
@@ -53,8 +53,9 @@ class AdapterStep:
                 **sampling)
         sparse_logp = sparse.rollout_logp.to(dense_logp.device)
         out = distill_sparse_loss(sparse_logp, rollout_logp, dense_logp.detach(), advantages,
-                                  mask, kl_weight=self.kl_weight, clip_low=clip_low,
-                                  clip_high=clip_high, aggregation=aggregation)
+                                  mask, kl_weight=self.kl_weight,
+                                  surrogate=PPOClip(clip_low=clip_low, clip_high=clip_high),
+                                  aggregation=aggregation)
         grads = torch.autograd.grad(out.loss, self.params, allow_unused=True)
         for p, g in zip(self.params, grads):
             p.grad = None if g is None else g.detach()

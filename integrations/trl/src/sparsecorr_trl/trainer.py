@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from sparsecorr._checks import finite
-from sparsecorr.losses import dense_mode, sparse_adapter, sparse_grpo
+from sparsecorr.losses import Aggregation, PPOClip, dense_mode, sparse_adapter, sparse_grpo
 from sparsecorr.mismatch import log_ratio
 from sparsecorr_trl.config import SparseCorrConfig, validate_grpo_args
 from sparsecorr_trl.rollout import sampling_kwargs, sparse_rollouts
@@ -208,11 +208,11 @@ class SparseGRPOTrainer(_trainer_base()):
             logp, old_logp, inputs["advantages"], mask,
             rollout_logp=rollout_logp,
             correction=self.sparsecorr_correction if rollout_logp is not None else None,
-            clip_low=self.epsilon_low, clip_high=self.epsilon_high,
-            aggregation=self.sparsecorr_aggregation,
-            norm_length=float(self.max_completion_length),
+            surrogate=PPOClip(clip_low=self.epsilon_low, clip_high=self.epsilon_high),
+            aggregation=Aggregation(self.sparsecorr_aggregation,
+                                    norm_length=float(self.max_completion_length)),
             ref_logp=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            kl_coef=float(self.beta),
+            kl=float(self.beta),
         )
         self._log_sparsecorr(out.metrics)
         if rollout_logp is not None and self.model.training:

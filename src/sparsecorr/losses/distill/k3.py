@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from ..._checks import check_float_tensor, check_mask, check_positive, check_same_shape
+from ..._checks import finite as finite_
 from ...mismatch import kl_k3
-from ..aggregation import aggregate
+from ..aggregation import Aggregation
 from ..grpo import sparse_grpo
 from ..output import LossOutput
 
@@ -86,11 +87,8 @@ def distill_sparse_loss(
     mask: torch.Tensor,
     *,
     kl_weight: float = 1e-3,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    aggregation: str = "token-mean",
-    num_tokens: float | torch.Tensor | None = None,
-    num_sequences: float | torch.Tensor | None = None,
+    surrogate: str | object = "ppo",
+    aggregation: str | Aggregation = "token-mean",
 ) -> LossOutput:
     r"""The DistillSparse adapter loss \(L_\text{PPO}^\text{sparse} + \lambda\,k_3\).
 
@@ -102,11 +100,9 @@ def distill_sparse_loss(
         mask: bool, True = the token counts. Tokens with a non-finite ``rollout_logp`` or
             ``dense_logp`` are dropped and counted (``distill/nonfinite``).
         kl_weight: \(\lambda\) (paper: 1e-3).
-        clip_low: as in [`sparse_grpo`][sparsecorr.losses.sparse_grpo].
-        clip_high: as in ``sparse_grpo``.
-        aggregation: as in ``sparse_grpo``; the k3 term is aggregated the same way.
-        num_tokens: global kept-token count (data parallel).
-        num_sequences: global count of rows with a kept token (data parallel).
+        surrogate: as in [`sparse_grpo`][sparsecorr.losses.sparse_grpo] (``PPOClip(...)``).
+        aggregation: as in ``sparse_grpo`` (an ``Aggregation`` carries global counts); the k3
+            term is aggregated the same way, over the same kept tokens.
 
     Returns:
         ``LossOutput``; metrics: the PPO term's ``loss/*`` plus ``distill/kl_k3_mean``,
@@ -122,13 +118,13 @@ def distill_sparse_loss(
     check_float_tensor("rollout_logp", rollout_logp, ndim=2)
     check_float_tensor("dense_logp", dense_logp, ndim=2)
     check_same_shape(sparse_logp=sparse_logp, rollout_logp=rollout_logp, dense_logp=dense_logp)
-    finite = torch.isfinite(rollout_logp) & torch.isfinite(dense_logp)
-    kept = mask & finite
-    pg = sparse_grpo(sparse_logp, rollout_logp, advantages, kept, clip_low=clip_low,
-                     clip_high=clip_high, aggregation=aggregation, num_tokens=num_tokens,
-                     num_sequences=num_sequences)
+    agg = Aggregation(aggregation) if isinstance(aggregation, str) else aggregation
+    finite = finite_(rollout_logp) & finite_(dense_logp)
+    pg = sparse_grpo(sparse_logp, rollout_logp, advantages, mask & finite, surrogate=surrogate,
+                     aggregation=agg)
+    kept = pg.mask  # also without the tokens a non-finite sparse_logp or advantage dropped
     k3 = sparse_kl_k3(sparse_logp, dense_logp, kept)
-    kl_loss = aggregate(k3, kept, mode=aggregation, num_tokens=num_tokens, num_sequences=num_sequences)
+    kl_loss = (torch.where(kept, k3, 0.0).sum(dim=1) * agg.row_scales(kept)).sum()
     metrics = dict(pg.metrics)
     with torch.no_grad():
         metrics["distill/kl_k3_mean"] = k3.detach().sum() / kept.sum().clamp(min=1)

@@ -1,0 +1,182 @@
+r"""The shared mismatch record: built once per batch, read by metrics, corrections and the loss.
+
+Every consumer of the sparse-to-dense mismatch needs the same three things: the per-token
+log-ratio \(\ell_t = \text{old\_logp}_t - \text{rollout\_logp}_t\), which tokens are valid
+(masked in and finite) and how many were dropped as non-finite. [`measure`][sparsecorr.mismatch.measure]
+computes them once, in a few fused passes, into a frozen [`Mismatch`][sparsecorr.mismatch.Mismatch];
+[`mismatch_metrics`][sparsecorr.mismatch.mismatch_metrics], every correction
+(``Mismatch -> Correction``) and [`sparse_grpo`][sparsecorr.losses.sparse_grpo] read it instead
+of re-deriving it.
+
+The clamp: \(\ell_t\) is clamped to \(\pm\)``LOG_RATIO_CLAMP`` (20, shared/DESIGN.md) once, here,
+so every ratio \(e^{\ell_t}\) formed from the record is finite. Sequence-level sums are sums of
+the clamped per-token values (see ``docs/methods.md`` for how that differs from verl).
+
+Example:
+    >>> import torch
+    >>> from sparsecorr.mismatch import measure
+    >>> old = torch.tensor([[-1.0, -2.0, float("nan")]])
+    >>> roll = torch.tensor([[-1.5, -2.0, -1.0]])
+    >>> mm = measure(old, roll, torch.tensor([[True, True, True]]))
+    >>> mm.log_ratio
+    tensor([[0.5000, 0.0000, 0.0000]])
+    >>> mm.valid.tolist(), int(mm.nonfinite)
+    ([[True, True, False]], 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from .._checks import check_float_tensor, check_mask, check_same_shape, count
+
+__all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
+
+#: the one bound on every per-token log-ratio before ``exp`` (shared/DESIGN.md: ±20)
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True, eq=False)
+class Mismatch:
+    r"""Per-token sampler/learner mismatch of one batch (build it with ``measure``).
+
+    Attributes:
+        log_ratio: float32, \(\ell_t\) = old_logp − rollout_logp clamped to ±20, exactly 0 where
+            ``valid`` is False (so masked sums need no further masking).
+        valid: bool, ``mask`` and both log-probs finite.
+        mask: bool, the caller's mask (True = the token counts).
+        old_logp: the dense log-probs as given (not copied).
+        rollout_logp: the sampler's log-probs as given (not copied).
+        acceptance: optional per-token acceptance rate in [0, 1] (Sparrow; ``sparse_tail``).
+        advantages: optional ``[B]`` or ``[B, T]`` advantages, context for corrections that
+            read them (OPSM); set by ``sparse_grpo`` or ``with_context``.
+        logp: optional detached learner log-probs, context for OPSM (drift to the current
+            policy); set by ``sparse_grpo`` or ``with_context``.
+
+    Cached on first use (no host synchronisation): ``tokens`` (valid count), ``input_tokens``,
+    ``nonfinite`` (masked-in tokens dropped as non-finite), ``valid_rows``/``input_rows``
+    (``[B]`` bool: rows with a valid / masked-in token).
+
+    Shapes:
+        log_ratio, valid, mask, old_logp, rollout_logp, acceptance: ``[B, T]``.
+    """
+
+    log_ratio: torch.Tensor
+    valid: torch.Tensor
+    mask: torch.Tensor
+    old_logp: torch.Tensor
+    rollout_logp: torch.Tensor
+    acceptance: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    logp: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.log_ratio.shape
+
+    @cached_property
+    def tokens(self) -> torch.Tensor:
+        """0-d float32: number of valid tokens."""
+        return count(self.valid)
+
+    @cached_property
+    def input_tokens(self) -> torch.Tensor:
+        """0-d float32: number of masked-in tokens."""
+        return count(self.mask)
+
+    @cached_property
+    def nonfinite(self) -> torch.Tensor:
+        """0-d float32: masked-in tokens whose log-ratio was NaN or ±inf."""
+        return self.input_tokens - self.tokens
+
+    @cached_property
+    def valid_rows(self) -> torch.Tensor:
+        """``[B]`` bool: rows with at least one valid token."""
+        return self.valid.any(dim=-1)
+
+    @cached_property
+    def input_rows(self) -> torch.Tensor:
+        """``[B]`` bool: rows with at least one masked-in token."""
+        return self.mask.any(dim=-1)
+
+    def with_context(
+        self, *, advantages: torch.Tensor | None = None, logp: torch.Tensor | None = None
+    ) -> Mismatch:
+        """A copy (no tensor copied) carrying ``advantages`` / detached ``logp`` for corrections
+        that read them (OPSM). Cached counts are recomputed lazily on the copy."""
+        if advantages is not None:
+            _check_advantages(advantages, self.log_ratio)
+        if logp is not None:
+            check_float_tensor("logp", logp)
+            check_same_shape(old_logp=self.log_ratio, logp=logp)
+            logp = logp.detach()
+        return dataclasses.replace(self, advantages=advantages if advantages is not None else self.advantages,
+                                   logp=logp if logp is not None else self.logp)
+
+
+def _check_advantages(advantages: object, like: torch.Tensor) -> None:
+    b = like.shape[0]
+    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in (
+        (b,), tuple(like.shape), (b, 1)
+    ):
+        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"advantages: expected shape ({b},), ({b}, 1) or {tuple(like.shape)}, got {got}")
+
+
+def measure(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    acceptance: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    logp: torch.Tensor | None = None,
+    validate: bool = True,
+) -> Mismatch:
+    r"""Build the [`Mismatch`][sparsecorr.mismatch.Mismatch] record of a batch.
+
+    \(\ell_t = \mathrm{clamp}(\text{old\_logp}_t - \text{rollout\_logp}_t, \pm 20)\) where the
+    token is masked in and the difference is finite (a NaN or ±inf in either log-prob makes it
+    non-finite), else 0. Non-finite tokens are dropped from ``valid`` and counted
+    (``Mismatch.nonfinite``); they never reach a correction or a loss. No gradient flows.
+
+    Args:
+        old_logp: dense log-probs of the sampled tokens (rollout-time weights).
+        rollout_logp: the sparse sampler's log-probs of the same tokens.
+        mask: bool, True = the token counts.
+        acceptance: optional per-token acceptance rate (non-finite entries are ignored by its
+            consumers).
+        advantages: optional context for corrections that read it (OPSM).
+        logp: optional learner log-probs, context for OPSM (stored detached).
+        validate: check types and shapes (set False in a hot loop once inputs are trusted).
+
+    Shapes:
+        old_logp, rollout_logp, mask, acceptance, logp: ``[B, T]``; advantages ``[B]`` or
+        ``[B, T]`` -> ``Mismatch``.
+    """
+    if validate:
+        check_float_tensor("old_logp", old_logp, ndim=2)
+        check_float_tensor("rollout_logp", rollout_logp, ndim=2)
+        check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp)
+        check_mask(mask, old_logp)
+        if acceptance is not None:
+            check_float_tensor("acceptance", acceptance, ndim=2)
+            check_same_shape(old_logp=old_logp, acceptance=acceptance)
+        if advantages is not None:
+            _check_advantages(advantages, old_logp)
+        if logp is not None:
+            check_float_tensor("logp", logp, ndim=2)
+            check_same_shape(old_logp=old_logp, logp=logp)
+    with torch.no_grad():
+        raw = old_logp.detach().float() - rollout_logp.detach().float()
+        # |x| < inf is False for NaN and ±inf: isfinite in two kernels (torch's takes four)
+        valid = torch.lt(raw.abs(), float("inf")).logical_and_(mask)
+        lr = raw.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).masked_fill_(~valid, 0.0)
+    return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
+                    acceptance=acceptance, advantages=advantages,
+                    logp=None if logp is None else logp.detach())
+
