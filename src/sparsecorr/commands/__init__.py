@@ -1,1 +1,1 @@
-"""Subcommands of the ``sparsecorr`` CLI, one module each (see :mod:`sparsecorr.cli`)."""
+"""Subcommands of the ``sparsecorr`` CLI, one module each (see `sparsecorr.cli`)."""

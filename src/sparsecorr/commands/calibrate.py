@@ -1,4 +1,4 @@
-"""``sparsecorr calibrate``: see :mod:`sparsecorr.commands.schedule_cmds`."""
+"""``sparsecorr calibrate``: see `sparsecorr.commands.schedule_cmds`."""
 
 from .schedule_cmds import add_calibrate as add_parser
 from .schedule_cmds import run_calibrate as run

@@ -1,4 +1,4 @@
-"""``sparsecorr cost``: see :mod:`sparsecorr.commands.schedule_cmds`."""
+"""``sparsecorr cost``: see `sparsecorr.commands.schedule_cmds`."""
 
 from .schedule_cmds import add_cost as add_parser
 from .schedule_cmds import run_cost as run

@@ -1,4 +1,4 @@
-"""``sparsecorr schedule``: see :mod:`sparsecorr.commands.schedule_cmds`."""
+"""``sparsecorr schedule``: see `sparsecorr.commands.schedule_cmds`."""
 
 from .schedule_cmds import add_schedule as add_parser
 from .schedule_cmds import run_schedule as run

@@ -2,7 +2,7 @@ r"""Sparse decoding over Hugging Face causal LMs: ``generate`` and ``teacher_for
 
 One loop serves both: prefill the (left-padded, ragged) prompts, then one token per step for
 every active row, with the model's attention routed through the ``"sparsecorr"`` attention
-function and a :class:`~sparsecorr.decoding.cache.SparseKVCache`. Positions are passed
+function and a `SparseKVCache`. Positions are passed
 explicitly (true positions, so RoPE is right after eviction). Rows that finish (EOS) or are
 pruned leave the batch, freeing their compute and KV. ``teacher_forced_logprobs`` runs the same
 loop with the tokens given, so for the same tokens it reproduces ``generate``'s log-probs.
@@ -236,7 +236,7 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
         group_size: rollouts per prompt (consecutive rows), required with ``pruner``.
 
     Shapes:
-        input_ids, attention_mask: ``[B, P]`` -> a :class:`RolloutBatch` with ``T = max_new_tokens``.
+        input_ids, attention_mask: ``[B, P]`` -> a `RolloutBatch` with ``T = max_new_tokens``.
     """
     if pruner is not None and (group_size is None or input_ids.shape[0] % group_size):
         raise ValueError(f"group_size: expected an int dividing B={input_ids.shape[0]} with a pruner, got {group_size!r}")

@@ -71,7 +71,7 @@ class RolloutBatch:
 
     @classmethod
     def load(cls, path: str | Path) -> RolloutBatch:
-        """Read a batch written by :meth:`save` (validated: names the missing field)."""
+        """Read a batch written by `save` (validated: names the missing field)."""
         path = Path(path)
         side = path.with_suffix(path.suffix + ".json")
         if not path.is_file() or not side.is_file():

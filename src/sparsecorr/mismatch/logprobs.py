@@ -120,7 +120,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""``(logp, entropy)``: :func:`token_logprobs` plus the entropy
+    r"""``(logp, entropy)``: `token_logprobs` plus the entropy
     \(H_t = \operatorname{logsumexp}(z) - \sum_v \pi_t(v) z_v\) (no gradient through the entropy).
 
     Shapes:

@@ -2,8 +2,8 @@ r"""Streaming, mergeable quantile sketches for values in a known range.
 
 Per-token acceptance lies in [0, 1] and log-ratios are clamped to ±20, so a fixed-bucket
 histogram over the known range is exact in rank and mergeable by addition: sketches from many
-steps, micro-batches or ranks combine by summing counts (:meth:`QuantileSketch.merge`,
-:meth:`QuantileSketch.all_reduce`), in constant memory.
+steps, micro-batches or ranks combine by summing counts (`QuantileSketch.merge`,
+`QuantileSketch.all_reduce`), in constant memory.
 
 **Error bound.** With \(n_b\) buckets of width \(w = (hi - lo) / n_b\), let
 \(x_{(k)} \le x_{(k+1)}\) be the two order statistics that the exact (numpy "linear")
@@ -156,7 +156,7 @@ class QuantileSketch:
 
 
 class BinnedQuantileSketch(QuantileSketch):
-    """One :class:`QuantileSketch` per bin of absolute position (Sparrow's position profile).
+    """One `QuantileSketch` per bin of absolute position (Sparrow's position profile).
 
     Token ``t`` of sequence ``b`` falls in bin ``(offset[b] + t) // bin_size``; tokens beyond
     ``n_bins`` go to the last bin.

@@ -101,7 +101,7 @@ class QualityHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> tuple[QualityHead, dict]:
-        """Load a head written by :meth:`save`; returns ``(head, extra)``."""
+        """Load a head written by `save`; returns ``(head, extra)``."""
         from safetensors import safe_open
 
         path = Path(path)

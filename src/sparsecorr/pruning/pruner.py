@@ -1,15 +1,15 @@
-"""The :class:`Pruner` that :func:`sparsecorr.decoding.generate` accepts (``pruner=...``).
+"""The `Pruner` that `sparsecorr.decoding.generate` accepts (``pruner=...``).
 
 ARRoL (Xu et al., ACL 2026, arXiv 2603.24840): every rollout is generated to a detection
 length (512 tokens in the paper), the quality head scores the partial rollouts, a fraction
 ``keep_ratio`` (0.5) of each group survives, chosen to be correctness-balanced
-(:func:`~sparsecorr.pruning.balanced_keep`), and only the survivors are decoded further; the
+(`balanced_keep`), and only the survivors are decoded further; the
 pruned rollouts stop there and their KV cache is freed.
 
 The decoding engine drives the protocol: it reads ``detect_len``, ``layer`` and ``window``,
 collects the hidden states of layer ``layer`` for the last ``window`` generated positions of
-every row still active at ``detect_len`` tokens, and calls :meth:`Pruner.decide` once.
-Pruned rollouts are reported by the :class:`~sparsecorr.decoding.RolloutBatch`
+every row still active at ``detect_len`` tokens, and calls `Pruner.decide` once.
+Pruned rollouts are reported by the `RolloutBatch`
 (``pruned``, ``pruned_at``) and left out of the loss and of the group statistics.
 """
 
@@ -32,14 +32,14 @@ class Pruner:
     """Decide which partial rollouts continue past ``detect_len`` tokens.
 
     Args:
-        head: a :class:`QualityHeadTrainer` (its calibrated predictions are used, and no
-            rollout is pruned until its cold start is over) or a bare :class:`QualityHead`
+        head: a `QualityHeadTrainer` (its calibrated predictions are used, and no
+            rollout is pruned until its cold start is over) or a bare `QualityHead`
             (sigmoid of its logits, always active).
         detect_len: generated tokens before the decision (ARRoL: 512; the issue's benchmark
             uses 1/8 of the maximum length).
         keep_ratio: fraction of each group kept (ARRoL: 0.5).
         target: target expected positive fraction for ``rule="target"`` (ARRoL: 0.5).
-        rule: survival rule of :func:`balanced_keep` (``"variance"`` by default).
+        rule: survival rule of `balanced_keep` (``"variance"`` by default).
         layer: which ``hidden_states`` entry the engine reports (-1 = last layer).
         window: trailing generated positions whose hidden states are reported.
         seed: seed for ``rule="random"``.

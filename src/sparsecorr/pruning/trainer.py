@@ -1,7 +1,7 @@
 r"""Online training of the quality head (ARRoL §3): BCE, replay buffer, cold start, calibration.
 
 Each RL step ends with the final 0/1 rewards of the rollouts whose detection-point hidden
-states were recorded. :meth:`QualityHeadTrainer.update` then
+states were recorded. `QualityHeadTrainer.update` then
 
 1. **evaluates before it trains** (prequential evaluation): the head scores the new batch it
    has never seen, and those held-out scores go into a window of recent predictions from
@@ -9,9 +9,9 @@ states were recorded. :meth:`QualityHeadTrainer.update` then
 2. appends the batch to a replay buffer (oldest examples dropped first);
 3. takes a few AdamW steps of binary cross-entropy on mini-batches drawn from the buffer.
 
-**Cold start.** ARRoL starts pruning after ~20 steps. :attr:`QualityHeadTrainer.ready` is
+**Cold start.** ARRoL starts pruning after ~20 steps. `QualityHeadTrainer.ready` is
 True once ``min_updates`` updates were made *and* the held-out AUC over the recent window is
-at least ``min_auc``; a :class:`~sparsecorr.pruning.Pruner` keeps every rollout until then.
+at least ``min_auc``; a `Pruner` keeps every rollout until then.
 
 **Calibration: temperature scaling** (Guo et al., 2017). The predicted probability is
 \(\sigma(z / T)\) with a single temperature \(T > 0\) fitted by minimising the negative
@@ -77,7 +77,7 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, *, iters: int = 
 
 
 class QualityHeadTrainer:
-    """Online trainer for a :class:`QualityHead` (see the module docstring for the procedure).
+    """Online trainer for a `QualityHead` (see the module docstring for the procedure).
 
     Args:
         head: the head to train (updated in place).
@@ -85,7 +85,7 @@ class QualityHeadTrainer:
         weight_decay: AdamW weight decay.
         buffer_size: replay buffer capacity (examples).
         batch_size: mini-batch size drawn from the buffer.
-        steps_per_update: optimizer steps per call to :meth:`update`.
+        steps_per_update: optimizer steps per call to `update`.
         min_updates: cold start: updates before the head may prune (ARRoL: ~20 steps).
         min_auc: cold start: held-out AUC needed before the head may prune.
         holdout: size of the recent held-out window used for AUC and calibration.

@@ -1,9 +1,9 @@
 """``calibrate``: measure the tail acceptance of candidate budgets on a model, per length bin.
 
-For each budget, rollouts are generated with :mod:`sparsecorr.decoding` (by the sparse policy,
+For each budget, rollouts are generated with `sparsecorr.decoding` (by the sparse policy,
 or by the dense model with ``sample_with="dense"``), the other side's distribution is obtained at
 the same positions by teacher forcing, and the per-token acceptance
-(:func:`~sparsecorr.mismatch.acceptance_rate_topk`, exact when ``logprobs_topk`` covers the
+(`acceptance_rate_topk`, exact when ``logprobs_topk`` covers the
 vocabulary) fills the table over bins of total context length. The table is saved atomically
 after every budget when ``out`` is given, and a rerun resumes after the budgets already done.
 """
@@ -26,7 +26,7 @@ def calibrate(model, prompts: torch.Tensor, *, policy, budgets: list[int], bin_s
               sample_with: str = "sparse", attention_mask: torch.Tensor | None = None,
               temperature: float = 1.0, logprobs_topk: int = 20, seed: int = 0,
               out: str | Path | None = None, progress: bool = False) -> CalibrationTable:
-    """Fill a :class:`CalibrationTable` for ``budgets`` (see the module docstring).
+    """Fill a `CalibrationTable` for ``budgets`` (see the module docstring).
 
     Shapes:
         prompts, attention_mask: ``[B, P]`` (repeated ``samples_per_prompt`` times).

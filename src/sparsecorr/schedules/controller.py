@@ -1,7 +1,7 @@
 """``TailController``: adjust a schedule online from streaming tail statistics.
 
 Every step, the trainer feeds the per-token acceptance of its rollouts (with their prompt
-lengths) into per-bin sketches. Between steps, :meth:`TailController.step` reads each bin's
+lengths) into per-bin sketches. Between steps, `TailController.step` reads each bin's
 tail (``q`` quantile) and raises that bin's budget to the next candidate when the tail is below
 ``tau``, or lowers it by one candidate when it has stayed comfortably above (``tau + margin``)
 for ``patience`` consecutive steps — never outside ``[min_budget, max_budget]``, and keeping

@@ -4,7 +4,7 @@ Solved exactly by dynamic programming over (bin, budget option, number of distin
 far): with ``monotone=True`` a bin's budget is never smaller than the previous bin's (dense is
 the largest option), and ``max_steps`` bounds the number of segments of the step function.
 The cost of a budget in a bin is the cost model's decode cost of the bin's tokens when a
-:class:`CostModel` is given, else the KV read per token, ``min(budget, context)`` at the
+`CostModel` is given, else the KV read per token, ``min(budget, context)`` at the
 middle of the bin (dense: the context). A bin where no
 candidate reaches tau — including an empty bin after the first calibrated one — falls back to
 dense, and a warning names it. Bins *before* the first calibrated token hold only prompt

@@ -1,6 +1,6 @@
 """``CalibrationTable``: the tail statistic of acceptance per candidate budget × length bin.
 
-Each budget holds a :class:`~sparsecorr.mismatch.BinnedQuantileSketch` of per-token acceptance
+Each budget holds a `BinnedQuantileSketch` of per-token acceptance
 over bins of total context length, so tables from several runs merge exactly (counts add) and
 any quantile can be read back; ``values`` is the ``q`` quantile (Sparrow: 5th percentile) and
 ``counts`` the tokens per cell.

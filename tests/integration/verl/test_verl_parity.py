@@ -220,7 +220,7 @@ class _ActorConfig(dict):
                                          "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("dual_clip", [3.0, 10.0])
 def test_policy_loss_with_tis_equals_verl_vanilla(algos, rc, aggregation, dual_clip):
-    from sparsecorr.losses import sparse_grpo
+    from sparsecorr.losses import Aggregation, PPOClip, sparse_grpo
 
     old, rollout, mask = _batch(10)
     g = torch.Generator().manual_seed(11)
@@ -238,8 +238,8 @@ def test_policy_loss_with_tis_equals_verl_vanilla(algos, rc, aggregation, dual_c
     verl_grad, x.grad = x.grad.clone(), None
 
     out = sparse_grpo(x, old, adv, mask, rollout_logp=rollout, correction=tis(cap=2.0),
-                      clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, aggregation=aggregation,
-                      norm_length=mask.shape[-1] if aggregation.endswith("norm") else None)
+                      surrogate=PPOClip(clip_low=0.2, clip_high=0.28, dual_clip=dual_clip),
+                      aggregation=Aggregation(aggregation))
     out.loss.backward()
     torch.testing.assert_close(out.loss, verl_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad, verl_grad, rtol=1e-5, atol=1e-7)

@@ -6,7 +6,7 @@ The engine owns the cache, the policies and sampling; a backend only computes
 
 for each query head over the KV slots it may attend to (GQA: query head ``h`` reads KV head
 ``h // G``). ``torch_ref`` is the float32 oracle on CPU and CUDA; the FlashInfer backend
-(GPU) reads the same kept sets through page tables (:mod:`.paging`).
+(GPU) reads the same kept sets through page tables (`.paging`).
 """
 
 from __future__ import annotations

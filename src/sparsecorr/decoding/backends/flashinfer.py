@@ -1,8 +1,8 @@
 """FlashInfer decode backend (GPU). Imported lazily: never at ``import sparsecorr``.
 
 The kept set of every (sequence, KV head) is expressed as a page table
-(:mod:`sparsecorr.decoding.backends.paging`): page size 1 for token-level eviction policies,
-16 for BlockTopK. One :meth:`FlashInferDecode.plan` per decode step is shared by every layer
+(`sparsecorr.decoding.backends.paging`): page size 1 for token-level eviction policies,
+16 for BlockTopK. One `FlashInferDecode.plan` per decode step is shared by every layer
 (the kept sets of all layers have the same lengths after a compression event), and
 ``use_tensor_cores`` is switched on for GQA group sizes FlashInfer's CUDA-core decode kernels do
 not specialise (e.g. 7), as FlashInfer recommends.
@@ -56,7 +56,7 @@ def flashinfer_status() -> tuple[bool, str]:
 
 
 def require_flashinfer() -> ModuleType:
-    """Import and return ``flashinfer``, or raise :class:`BackendUnavailableError` saying why."""
+    """Import and return ``flashinfer``, or raise `BackendUnavailableError` saying why."""
     ok, reason = flashinfer_status()
     if not ok:
         raise BackendUnavailableError(reason)
@@ -76,7 +76,7 @@ class FlashInferDecode:
         group_size: query heads per KV head (GQA group, e.g. 7 for 28/4).
         head_dim: head dimension (64 or 128).
         workspace_bytes: FlashInfer's float workspace (128 MiB default, as its examples).
-        use_tensor_cores: force the tensor-core kernel; default: :func:`needs_tensor_cores`.
+        use_tensor_cores: force the tensor-core kernel; default: `needs_tensor_cores`.
 
     Shapes:
         run(q ``[R, G, D]``, k_pool/v_pool ``[P, page_size, D]``) -> out ``[R, G, D]``,

@@ -27,7 +27,7 @@ Kind = Literal["dense", "eviction", "selection"]
 @dataclass(frozen=True)
 class KVPolicy:
     """Base of every policy (frozen dataclasses). Eviction policies define ``sink``, ``window``
-    and ``buffer`` fields and :meth:`score`; selection policies define ``attend_mask``."""
+    and ``buffer`` fields and `score`; selection policies define ``attend_mask``."""
 
     name: ClassVar[str] = "base"
     kind: ClassVar[Kind] = "dense"
@@ -91,7 +91,7 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     ``[B]`` tensor (one budget per sequence, e.g. from a schedule).
 
     Returns:
-        :class:`KeepSet` with ``K = max budget`` columns, sorted by position.
+        `KeepSet` with ``K = max budget`` columns, sorted by position.
     """
     b, _, s = valid.shape
     budgets = torch.as_tensor(budget, device=valid.device).reshape(-1).expand(b).long()
