@@ -262,3 +262,11 @@ def test_launcher_help_as_a_process_without_ray(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "--sparsecorr.correction" in proc.stdout
     assert "ray.init" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_launcher_passes_a_preset_choice():
+    spec, rest = launcher.parse_sparsecorr_args(
+        ["--sparsecorr.correction", "trl", "--sparsecorr.mode", "token_mask", "--x", "1"])
+    assert spec["numbers"] == {"mode": "token_mask"} and rest == ["--x", "1"]
+    with pytest.raises(ValueError, match="mode"):
+        launcher.parse_sparsecorr_args(["--sparsecorr.correction", "trl", "--sparsecorr.mode", "nope"])
