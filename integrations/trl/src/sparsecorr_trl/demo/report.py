@@ -188,7 +188,7 @@ def verdict(by: dict[str, dict]) -> list[str]:
     if unc and cor:
         cmp = _compare(cor["dense_after"], unc["dense_after"], margin)
         kept = "" if cor["kept_frac"] != cor["kept_frac"] else (
-            f" It kept {100 * cor['kept_frac']:.0f}% of the sampled tokens"
+            f" It kept {100 * cor['kept_frac']:.1f}% of the sampled tokens"
             + (": it protects the model by discarding these rollouts, so there is little to "
                "learn from them." if cor["kept_frac"] < 0.05 else "."))
         lines.append(
@@ -205,7 +205,7 @@ def verdict(by: dict[str, dict]) -> list[str]:
             f"{_compare(sch['dense_after'], cor['dense_after'], margin)} the aggressive arm's "
             f"{cor['dense_after']:.3f}; sampled reward (last half) "
             f"{sch['reward_last_half']:.3f} vs {cor['reward_last_half']:.3f}; kept tokens "
-            f"{100 * sch['kept_frac']:.0f}% vs {100 * cor['kept_frac']:.0f}%; peak KV "
+            f"{100 * sch['kept_frac']:.1f}% vs {100 * cor['kept_frac']:.1f}%; peak KV "
             f"{sch['peak_kv_bytes']} B vs {cor['peak_kv_bytes']} B aggressive and "
             f"{d['peak_kv_bytes']} B dense ({100 * kv:.0f}% of dense); "
             f"{sch['tokens_per_s']:.0f} vs {d['tokens_per_s']:.0f} tokens/s dense.")
@@ -217,7 +217,7 @@ def _summary_table(summ: list[dict]) -> str:
              "before -> after | tokens/s (after warm-up) | peak KV bytes | k3 mismatch | "
              "kept tokens |", "|---|---|---|---|---|---|---|---|"]
     for s in summ:
-        kept = "-" if s["kept_frac"] != s["kept_frac"] else f"{100 * s['kept_frac']:.0f}%"
+        kept = "-" if s["kept_frac"] != s["kept_frac"] else f"{100 * s['kept_frac']:.1f}%"
         lines.append(f"| {s['arm']} | {s['reward_first']:.3f} | {s['reward_last_half']:.3f} | "
                      f"{s['dense_before']:.3f} -> {s['dense_after']:.3f} | "
                      f"{s['tokens_per_s']:.0f} | {s['peak_kv_bytes']} | {s['mismatch']:.2e} | "
@@ -249,6 +249,8 @@ def write_report(out: Path, *, rows, table, schedule, config, calib_s: float,
         f"Lower q={table.q} quantile of the acceptance per budget and context bin:", "",
         tail_table(table), "",
         "## Summary", "", tbl, "",
+        "tokens/s is the wall-clock throughput of the rollout step: it moves with the load of "
+        "the machine, so compare arms only from a run on otherwise idle cores.", "",
         "## What each arm shows", "", *[f"- {line}" for line in findings], "",
         "## Plots", "", *([plot_note] if plot_note else [f"![{f}]({f})" for f in files]), ""])
     atomic_write_text(out / "report.md", text)
