@@ -24,12 +24,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Calibrate a KV budget on a shipped tiny Qwen3, fit a schedule, train four "
                     "GRPO arms with SparseGRPOTrainer (dense; aggressive budget uncorrected; "
                     "aggressive budget + sparse_rl(); fitted schedule + sparse_rl()) and write "
-                    "report.md with plots. It is CPU-bound: --quick took 10 s on 2 idle cores "
-                    "and 4 minutes on 2 cores shared with other jobs; the full run generates "
-                    "about 200 times the tokens of --quick.")
+                    "report.md with plots. It is CPU-bound; measured on 2 cores: --quick 10-12 s "
+                    "when idle, about 4 minutes when shared with other jobs; the full run about "
+                    "7 minutes with the cores partly shared.")
     p.add_argument("--quick", action="store_true",
                    help="3 steps of 2 prompts x 4 rollouts per arm instead of 40 steps of 8 x 8 "
-                        "(10 s on 2 idle cores)")
+                        "(10-12 s on 2 idle cores)")
     p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     return p
 

@@ -10,11 +10,12 @@ from statistics import mean
 from sparsecorr._io import atomic_write_text
 
 #: one look per arm, distinct in colour, marker and line style so overlapping series stay visible
-STYLES = {
-    "dense": {"color": "#333333", "marker": "o", "linestyle": "-"},
-    "sparse-uncorrected": {"color": "#d62728", "marker": "s", "linestyle": "--"},
-    "sparse-corrected": {"color": "#1f77b4", "marker": "^", "linestyle": "-."},
-    "sparse-schedule-corrected": {"color": "#2ca02c", "marker": "D", "linestyle": ":"},
+STYLES = {  # hollow markers of decreasing size: an arm drawn over another still shows both
+    "dense": {"color": "#333333", "marker": "o", "linestyle": "-", "markersize": 10},
+    "sparse-uncorrected": {"color": "#d62728", "marker": "s", "linestyle": "--", "markersize": 8},
+    "sparse-corrected": {"color": "#1f77b4", "marker": "^", "linestyle": "-.", "markersize": 7},
+    "sparse-schedule-corrected": {"color": "#2ca02c", "marker": "D", "linestyle": ":",
+                                  "markersize": 5},
 }
 _NAN = float("nan")
 
@@ -85,7 +86,8 @@ def _curves_plot(path: Path, rows: list[dict]) -> None:
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.4))
     for arm in dict.fromkeys(r["arm"] for r in rows):
         rs = [r for r in rows if r["arm"] == arm]
-        style = {**STYLES.get(arm, {}), "label": arm, "markersize": 6, "alpha": 0.9}
+        style = {"markersize": 6, **STYLES.get(arm, {}), "label": arm, "fillstyle": "none",
+                 "markeredgewidth": 1.5}
         ax[0].plot([r["step"] + 1 for r in rs], [r["reward"] for r in rs], **style)
         ax[1].plot([0] + [r["step"] + 1 for r in rs],
                    [rs[0].get("dense_eval_reward_before", _NAN)]
