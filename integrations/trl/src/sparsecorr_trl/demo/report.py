@@ -121,7 +121,8 @@ def _memory_speed_plot(path: Path, summ: list[dict]) -> None:
     ax[0].barh(names, [s["peak_kv_bytes"] / 1024 for s in summ], color=colors)
     ax[0].set(xlabel="peak KV cache (KiB)", title="KV memory during rollouts")
     ax[1].barh(names, [s["tokens_per_s"] for s in summ], color=colors)
-    ax[1].set(xlabel="generated tokens/s (warm-up step excluded)", title="rollout throughput")
+    ax[1].set(xlabel="generated tokens/s, wall clock (warm-up excluded)",
+              title="rollout throughput (moves with machine load)")
     ax[1].set_yticklabels([])
     for a in ax:
         a.invert_yaxis()
