@@ -1,54 +1,63 @@
-"""TRAIN layer speed and memory, each row as a ratio to a baseline timed in the same run.
+"""The loss path against the peers' real code, every row timed in the same run (issue #13).
 
-1. ``sparse_grpo`` forward + backward on 256×8192 tokens (ragged mask, lengths uniform in
-   [T/2, T]) with the ``sparse_rl()`` correction (token TIS 1.5, band [0.5, 1.5], veto 1e-4,
-   batch normalisation) and all its metrics (loss, correction and mismatch), against
-   - the floor ``(a - b).exp().clamp(max=2.0) * mask`` (shared/BASELINES.md),
-   - OpenRLHF 0.11 ``PolicyLoss`` with its correction on (token mask [0.5, 5]), loaded through
-     ``tests/openrlhf_shim.py`` (its real code, without the GPU-only imports),
-   - TRL 1.16's GRPO loss path (``GRPOTrainer._compute_loss`` is a method bound to a trainer,
-     so its loss arithmetic is re-typed here op for op: token-truncated IS ratio with cap 2
-     computed as in ``_generate_and_score_completions``, two-sided clip, ``dapo`` token mean),
-   - a naive plain-autograd implementation of the same sparse_rl math with a few metrics.
-   Target (BASELINES.md): no slower than TRL's bare loss, at most half of OpenRLHF's time.
-2. ``kl_from_logits`` peak extra memory (RSS high-water mark in a fresh subprocess) vs the naive
-   full-softmax KL on ``[4, 2048, 32000]`` fp32 logits, forward and forward + backward.
-   Target: peak extra memory < 15% of the logits' size (beyond the gradient itself, which
-   autograd needs whatever the implementation).
+Forward + backward on float32 ``[B, T]`` log-probs with a ragged mask (lengths uniform in
+[T/2, T]) at 64x4096 and 256x8192, every implementation called once per round in rotation,
+medians of ``--rounds`` rounds (>= 10). Rows:
 
-Run: ``python benchmarks/bench_losses.py [--quick]``.
+- floor: ``(a - b).exp().clamp(max=2) * mask`` (shared/BASELINES.md);
+- sparsecorr: ``sparse_grpo(..., rollout_logp=..., correction=sparse_rl())`` with the default
+  metrics (the training step: record, correction, loss, metrics), with ``metrics="none"``,
+  plain GRPO, and ``sparse_rl()`` alone (``measure`` + the correction + its metrics);
+- TRL 1.16: its own IS block (token_truncate, cap 2) + the ``dapo`` loss arithmetic of
+  ``_compute_loss`` (the *bare* loss), and its real ``_compute_loss`` with its logged metrics;
+- OpenRLHF 0.11 ``PolicyLoss`` with its correction (token mask [0.5, 5]);
+- verl 0.9.1 ``compute_rollout_correction_and_rejection_mask`` (token TIS 2 + token_k1
+  rejection, with its metrics) + ``compute_policy_loss_vanilla``, and the correction alone.
+
+The peers are loaded as the parity tests load them (``benchmarks/_peers.py``). The aten op
+count of one call is counted with a ``TorchDispatchMode`` (every dispatched op but the free
+aliasing ones: ``detach``, ``view``, ``alias``).
+
+``--runs N`` repeats the whole measurement in N fresh processes and reports, for each target
+ratio, the median and the [min, max] over the runs. Also: ``kl_from_logits`` peak extra memory
+and time against the naive full-softmax KL.
+
+Run: ``python benchmarks/bench_losses.py [--quick] [--runs 3]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
+import _peers
 from _common import machine, peak_rss_delta, setup, table
 
+from sparsecorr.correction import sparse_rl
 from sparsecorr.losses import sparse_grpo
-from sparsecorr.mismatch import mismatch_metrics
+from sparsecorr.mismatch import measure
 
-try:
-    from sparsecorr.correction import sparse_rl
-    from sparsecorr.mismatch import measure
-except ImportError:  # pragma: no cover - correction layer not installed yet
-    sparse_rl = None
-
-try:
-    from tests.openrlhf_shim import load_openrlhf_loss_module
-
-    PolicyLoss = load_openrlhf_loss_module().PolicyLoss
-except Exception:  # pragma: no cover - OpenRLHF absent
-    PolicyLoss = None
+FLOOR = "floor (exp-clamp-mul)"
+OURS = "sparsecorr sparse_grpo + sparse_rl(), default metrics"
+OURS_NONE = "sparsecorr sparse_grpo + sparse_rl(), metrics='none'"
+OURS_PLAIN = "sparsecorr sparse_grpo, plain GRPO"
+OURS_CORR = "sparsecorr sparse_rl() alone (measure + correct + metrics)"
+TRL_BARE = "TRL 1.16 bare GRPO loss + its token_truncate IS"
+TRL_REAL = "TRL 1.16 _compute_loss (real, with its metrics) + IS"
+ORLHF = "OpenRLHF 0.11 PolicyLoss, token mask [0.5, 5]"
+VERL = "verl 0.9.1 rollout correction + vanilla policy loss"
+VERL_CORR = "verl 0.9.1 rollout correction alone (with its metrics)"
 
 
 def make_inputs(b: int, t: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -58,110 +67,69 @@ def make_inputs(b: int, t: int, seed: int = 0) -> dict[str, torch.Tensor]:
     logp = old + torch.randn(b, t, generator=g) * 0.05
     lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
     mask = torch.arange(t)[None] < lengths[:, None]
-    adv = torch.randn(b, generator=g)
-    return dict(old=old, rollout=rollout, logp=logp, mask=mask, adv=adv)
+    return dict(old=old, rollout=rollout, logp=logp, mask=mask, mask_f=mask.float(),
+                mask_i=mask.long(), adv=torch.randn(b, generator=g),
+                tokens=torch.zeros(b, t, dtype=torch.long), prompt=torch.ones(b, 4, dtype=torch.long))
 
 
 def floor(d):
     return (d["old"] - d["rollout"]).exp().clamp(max=2.0) * d["mask"]
 
 
-def ours(d):
+def ours(d, metrics="default"):
     lp = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp, d["old"], d["adv"], d["mask"], rollout_logp=d["rollout"], correction=sparse_rl())
+    out = sparse_grpo(lp, d["old"], d["adv"], d["mask"], rollout_logp=d["rollout"],
+                      correction=sparse_rl(), metrics=metrics)
     out.loss.backward()
     return out.metrics
 
 
 def ours_plain(d):
     lp = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp, d["old"], d["adv"], d["mask"])
-    out.loss.backward()
-    return out.metrics
+    sparse_grpo(lp, d["old"], d["adv"], d["mask"]).loss.backward()
 
 
-def ours_measure(d):
-    lp = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp, d["old"], d["adv"], d["mask"], rollout_logp=d["rollout"])
-    out.loss.backward()
-    return out.metrics
+def ours_correction(d):
+    return sparse_rl()(measure(d["old"], d["rollout"], d["mask"])).metrics
 
 
-def ours_no_mismatch(d):
-    lp = d["logp"].clone().requires_grad_(True)
-    out = sparse_grpo(lp, d["old"], d["adv"], d["mask"], rollout_logp=d["rollout"], correction=sparse_rl(),
-                      mismatch=False)
-    out.loss.backward()
-    return out.metrics
+def implementations() -> dict[str, object]:
+    impls = {FLOOR: floor, OURS: ours, OURS_NONE: lambda d: ours(d, "none"), OURS_PLAIN: ours_plain,
+             OURS_CORR: ours_correction}
+    for name, make in ((TRL_BARE, _peers.trl_bare), (TRL_REAL, _peers.trl_real),
+                       (ORLHF, _peers.openrlhf_policy_loss)):
+        fn = make()
+        if fn is not None:
+            impls[name] = fn
+    verl = _peers.verl_functions()
+    if verl is not None:
+        impls[VERL_CORR], impls[VERL] = verl
+    return impls
 
 
-def correction_only(d):
-    return sparse_rl()(measure(old_logp=d["old"], rollout_logp=d["rollout"], mask=d["mask"]))
+class _Count(TorchDispatchMode):
+    FREE = ("aten.detach.default", "aten.view.default", "aten.alias.default")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) not in self.FREE:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
-def mismatch_only(d):
-    return mismatch_metrics(d["old"], d["rollout"], d["mask"], quantiles=())
+def op_count(fn, d) -> int:
+    counter = _Count()
+    with counter:
+        fn(d)
+    return counter.n
 
 
-def naive(d):
-    """Plain autograd, the obvious way: sparse_rl weights, clipped loss, a few metrics."""
-    lp = d["logp"].clone().requires_grad_(True)
-    mask = d["mask"]
-    m = mask.float()
-    log_r = (d["old"] - d["rollout"]).clamp(-20, 20)
-    r = log_r.exp()
-    keep = mask & (r >= 0.5) & (r <= 1.5)
-    veto = ((r < 1e-4) & mask).any(dim=1, keepdim=True)
-    keep = keep & ~veto
-    w = r.clamp(max=1.5) * keep
-    w = w / (w.sum() / keep.sum().clamp(min=1))
-    ratio = (lp - d["old"]).clamp(-20, 20).exp()
-    adv = d["adv"][:, None]
-    loss_t = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * w.detach()
-    kf = keep.float()
-    loss = (loss_t * kf).sum() / kf.sum().clamp(min=1)
-    loss.backward()
-    with torch.no_grad():
-        return {"clip": ((ratio > 1.2) & keep).float().sum() / kf.sum(), "kl": ((r - 1 - log_r) * m).sum() / m.sum(),
-                "rej": 1 - kf.sum() / m.sum()}
-
-
-def trl_like(d):
-    """TRL 1.16's GRPO loss arithmetic with its token_truncate IS ratio (cap 2), dapo mean."""
-    lp = d["logp"].clone().requires_grad_(True)
-    mask = d["mask"].float()
-    is_ratio = torch.exp(d["old"] - d["rollout"]).clamp(max=2.0)
-    coef_1 = torch.exp(lp - d["old"])
-    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
-    adv = d["adv"].unsqueeze(1)
-    per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-    per_token_loss = per_token_loss * is_ratio
-    loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-    loss.backward()
-
-
-def openrlhf(d, module=[]):  # noqa: B006 - one PolicyLoss per process
-    if not module:
-        module.append(PolicyLoss(is_correction_level="token", is_correction_mode="mask",
-                                 is_correction_threshold=(0.5, 5.0)))
-    lp = d["logp"].clone().requires_grad_(True)
-    loss, *_ = module[0](lp, d["old"], d["adv"][:, None], action_mask=d["mask"].float(),
-                         rollout_log_probs=d["rollout"])
-    loss.backward()
-
-
-def bench_loss(b: int, t: int, rounds: int) -> str:
+def measure_size(b: int, t: int, rounds: int) -> dict:
     d = make_inputs(b, t)
-    impls = {"floor (exp-clamp-mul)": floor, "sparsecorr sparse_grpo, no correction": ours_plain,
-             "sparsecorr sparse_grpo + rollout_logp (mismatch metrics only)": ours_measure,
-             "naive autograd sparse_rl + 3 metrics": naive, "TRL 1.16 loss + token_truncate IS": trl_like}
-    impls["  of which: mismatch_metrics alone (no quantiles)"] = mismatch_only
-    if sparse_rl is not None:
-        impls["sparsecorr sparse_grpo + sparse_rl() + all metrics"] = ours
-        impls["sparsecorr sparse_grpo + sparse_rl(), mismatch=False"] = ours_no_mismatch
-        impls["  of which: sparse_rl() correction alone"] = correction_only
-    if PolicyLoss is not None:
-        impls["OpenRLHF PolicyLoss, token mask [0.5, 5]"] = openrlhf
+    impls = implementations()
     times: dict[str, list[float]] = {k: [] for k in impls}
     for fn in impls.values():  # warm-up
         fn(d)
@@ -170,16 +138,53 @@ def bench_loss(b: int, t: int, rounds: int) -> str:
             t0 = time.perf_counter()
             fn(d)
             times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    base = med["floor (exp-clamp-mul)"]
-    rows = [[k, f"{v * 1e3:.1f}", f"{v / base:.1f}"] for k, v in med.items()]
-    for peer in ("TRL 1.16 loss + token_truncate IS", "OpenRLHF PolicyLoss, token mask [0.5, 5]",
-                 "naive autograd sparse_rl + 3 metrics"):
-        key = "sparsecorr sparse_grpo + sparse_rl() + all metrics"
-        if key in med and peer in med:
-            rows.append([f"ratio: sparse_grpo+sparse_rl / {peer.split(',')[0]}", "", f"{med[key] / med[peer]:.2f}"])
-    return f"sparse_grpo fwd+bwd, {b}x{t}, median of {rounds} rounds\n\n" + table(
-        ["implementation", "ms", "x floor"], rows)
+    small = make_inputs(4, 64)
+    return {"median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+            "ops": {k: op_count(fn, small) for k, fn in impls.items() if k != FLOOR}}
+
+
+TARGETS = [  # (label, numerator, denominator, target, is an upper bound)
+    ("sparse_grpo + sparse_rl() / TRL bare loss", OURS, TRL_BARE, 1.0, True),
+    ("sparse_grpo + sparse_rl() / TRL real _compute_loss", OURS, TRL_REAL, None, True),
+    ("sparse_grpo + sparse_rl() / OpenRLHF PolicyLoss", OURS, ORLHF, 0.5, True),
+    ("sparse_rl() alone / floor", OURS_CORR, FLOOR, 4.0, True),
+    ("verl correction alone / sparse_rl() alone", VERL_CORR, OURS_CORR, 10.0, False),
+]
+
+
+def ratios(result: dict) -> dict[str, float]:
+    med = result["median_ms"]
+    return {label: med[a] / med[b] for label, a, b, _, _ in TARGETS if a in med and b in med}
+
+
+def render(results: list[dict], size: str) -> str:
+    meds = {k: statistics.median(r[size]["median_ms"][k] for r in results)
+            for k in results[0][size]["median_ms"]}
+    base = meds[FLOOR]
+    ops = results[0][size]["ops"]
+    rows = [[k, f"{v:.2f}", f"{v / base:.1f}", ops.get(k, "")] for k, v in meds.items()]
+    out = [f"{size}, fwd+bwd, median over {len(results)} run(s) of per-run medians",
+           table(["implementation", "ms", "x floor", "aten ops / call"], rows), ""]
+    per_run = [ratios(r[size]) for r in results]
+    trows = []
+    for label, _, _, target, upper in TARGETS:
+        vals = [p[label] for p in per_run if label in p]
+        if not vals:
+            continue
+        med = statistics.median(vals)
+        spread = f"[{min(vals):.2f}, {max(vals):.2f}]"
+        if target is None:
+            verdict = "(reference)"
+        else:
+            verdict = "met" if (med <= target if upper else med >= target) else "missed"
+        goal = "" if target is None else f"{'<=' if upper else '>='} {target:g}"
+        trows.append([label, f"{med:.2f}", spread, goal, verdict])
+    n_ours, n_trl = ops.get(OURS), ops.get(TRL_BARE)
+    if n_ours and n_trl:
+        trows.append(["aten ops: sparse_grpo + sparse_rl() / TRL bare", f"{n_ours / n_trl:.2f}", "",
+                      "<= 2", "met" if n_ours <= 2 * n_trl else "missed"])
+    out.append(table(["ratio", "median", "[min, max] over runs", "target", ""], trows))
+    return "\n".join(out)
 
 
 def bench_kl_memory(shape: tuple[int, int, int]) -> str:
@@ -215,49 +220,36 @@ def bench_kl_memory(shape: tuple[int, int, int]) -> str:
             + table(["implementation", "pass", "extra MiB", "% of logits"], rows))
 
 
-def bench_kl_time(shape: tuple[int, int, int], repeat: int) -> str:
-    from _common import median_time
-
-    from sparsecorr.losses import kl_from_logits
-
-    g = torch.Generator().manual_seed(0)
-    s, te = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
-    mask = torch.ones(shape[:2], dtype=torch.bool)
-
-    def naive():
-        x = s.clone().requires_grad_(True)
-        ls, lt = torch.log_softmax(x, -1), torch.log_softmax(te, -1)
-        torch.where(mask, (lt.exp() * (lt - ls)).sum(-1), 0.0).sum().backward()
-
-    def ours():
-        x = s.clone().requires_grad_(True)
-        kl_from_logits(x, te, mask).sum().backward()
-
-    t_naive, t_ours = median_time(naive, repeat=repeat), median_time(ours, repeat=repeat)
-    rows = [["naive full softmax", f"{t_naive * 1e3:.0f}", "1.00"],
-            ["sparsecorr kl_from_logits", f"{t_ours * 1e3:.0f}", f"{t_ours / t_naive:.2f}"]]
-    return f"kl_from_logits forward+backward time on {list(shape)} fp32\n\n" + table(
-        ["implementation", "ms", "x naive"], rows)
+def one_run(quick: bool, rounds: int) -> dict:
+    sizes = [(16, 1024), (64, 2048)] if quick else [(64, 4096), (256, 8192)]
+    return {f"{b}x{t}": measure_size(b, t, rounds) for b, t in sizes}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds (a smoke run)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default 12; quick 3)")
+    parser.add_argument("--runs", type=int, default=1, help="independent runs (fresh processes)")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-kl", action="store_true", help="skip the kl_from_logits rows")
     args = parser.parse_args()
     setup(2)
+    rounds = args.rounds or (3 if args.quick else 12)
+    if args.json:
+        print(json.dumps(one_run(args.quick, rounds)))
+        return
     print(machine())
-    if args.quick:
-        print(bench_loss(64, 2048, rounds=5))
-        print()
-        print(bench_kl_memory((2, 256, 32000)))
-        print()
-        print(bench_kl_time((1, 256, 32000), repeat=5))
+    if args.runs > 1:
+        cmd = [sys.executable, __file__, "--json", "--rounds", str(rounds)] + (["--quick"] if args.quick else [])
+        results = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True)
+                              .stdout.strip().splitlines()[-1]) for _ in range(args.runs)]
     else:
-        print(bench_loss(256, 8192, rounds=15))
+        results = [one_run(args.quick, rounds)]
+    for size in results[0]:
+        print(render(results, size))
         print()
-        print(bench_kl_memory((4, 2048, 32000)))
-        print()
-        print(bench_kl_time((2, 2048, 32000), repeat=3))
+    if not args.no_kl:
+        print(bench_kl_memory((2, 256, 32000) if args.quick else (4, 2048, 32000)))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ everywhere: a ``ValueError`` naming the argument, what was expected and what was
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -13,12 +14,18 @@ import torch
 __all__ = [
     "as_float32",
     "check_choice",
+    "check_dim",
     "check_float_tensor",
+    "check_int",
+    "check_int_tensor",
+    "check_levels",
     "check_mask",
+    "check_number",
     "check_positive",
     "check_probability",
     "check_same_shape",
     "count",
+    "field",
     "finite",
 ]
 
@@ -107,3 +114,152 @@ def count(mask: torch.Tensor, dim: int | None = None, *, keepdim: bool = False) 
 def finite(x: torch.Tensor) -> torch.Tensor:
     """``isfinite`` in two passes: ``|x| < inf`` is False for NaN and ±inf."""
     return x.abs() < float("inf")
+
+
+# -- scalar, integer-tensor and file-field checks (issue #14: validation before any work) ------
+# Added together at the end of the module; the helpers above keep their behaviour.
+
+_MISSING = object()
+
+
+def _is_int(value: object) -> bool:
+    """A Python or numpy integer, not a bool."""
+    import numbers
+
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """A Python or numpy real number, not a bool."""
+    import numbers
+
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None,
+              allow_none: bool = False, why: str = "") -> None:
+    """Raise unless ``value`` is an int (not a bool) in ``[low, high]`` (None when allowed).
+
+    ``why`` is appended to the message (e.g. the reason for an upper bound).
+    """
+    if value is None and allow_none:
+        return
+    ok = _is_int(value) and (low is None or value >= low) and (high is None or value <= high)
+    if not ok:
+        if low is not None and high is not None:
+            expected = f"an int in [{low:,}, {high:,}]"
+        elif low is not None:
+            expected = f"an int >= {low:,}"
+        elif high is not None:
+            expected = f"an int <= {high:,}"
+        else:
+            expected = "an int"
+        if allow_none:
+            expected += " or None"
+        raise ValueError(f"{name}: expected {expected}{why}, got {value!r}")
+
+
+def check_number(name: str, value: object, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False, allow_none: bool = False) -> None:
+    """Raise unless ``value`` is a finite real number (not a bool) within the given bounds.
+
+    NaN and ±inf are always refused; ``low_open``/``high_open`` make the bounds strict.
+    """
+    if value is None and allow_none:
+        return
+    ok = _is_real(value) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        if low is not None and high is not None:
+            expected = f"a finite number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        elif low is not None:
+            expected = f"a finite number {'>' if low_open else '>='} {low}"
+        elif high is not None:
+            expected = f"a finite number {'<' if high_open else '<='} {high}"
+        else:
+            expected = "a finite number"
+        if allow_none:
+            expected += " or None"
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def check_levels(name: str, q: object) -> list[float]:
+    """Quantile level(s) in [0, 1]: a number or a non-empty sequence/tensor of numbers.
+
+    Returns the levels as a list of floats (NaN and values outside [0, 1] are refused).
+    """
+    if isinstance(q, torch.Tensor):
+        levels = q.detach().reshape(-1).double().tolist()
+    elif _is_real(q):
+        levels = [float(q)]  # type: ignore[arg-type]
+    elif isinstance(q, Sequence) and not isinstance(q, str) and all(_is_real(v) for v in q):
+        levels = [float(v) for v in q]
+    else:
+        raise ValueError(f"{name}: expected a level in [0, 1] or a sequence of levels, got {q!r}")
+    if not levels or not all(0.0 <= v <= 1.0 for v in levels):
+        raise ValueError(f"{name}: expected quantile level(s) in [0, 1], got {q!r}")
+    return levels
+
+
+def check_int_tensor(name: str, x: object, *, shape: tuple[int, ...] | None = None,
+                     ndim: int | None = None, nonnegative: bool = False) -> torch.Tensor:
+    """Return ``x`` if it is an integer (not bool) tensor of ``shape`` / ``ndim``.
+
+    ``nonnegative`` also checks the values (one host synchronisation: use it on small tensors
+    such as per-row offsets, before the expensive work).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected an integer torch.Tensor, got {type(x).__name__}")
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"{name}: expected an integer dtype, got {x.dtype}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(x.shape)}")
+    if nonnegative and x.numel() and int(x.min()) < 0:
+        raise ValueError(f"{name}: expected values >= 0, got a minimum of {int(x.min())}")
+    return x
+
+
+def check_dim(name: str, dim: object, ndim: int, *, allow_none: bool = False) -> int | None:
+    """``dim`` normalised to ``[0, ndim)``; refuses out-of-range dims (instead of wrapping)."""
+    if dim is None and allow_none:
+        return None
+    if not _is_int(dim) or not -ndim <= dim < ndim:  # type: ignore[operator]
+        extra = " or None" if allow_none else ""
+        raise ValueError(f"{name}: expected an int in [{-ndim}, {ndim - 1}]{extra} "
+                         f"for a {ndim}-dim input, got {dim!r}")
+    return int(dim) % ndim  # type: ignore[call-overload]
+
+
+def field(data: object, key: str, *, where: str, kind: str, default: object = _MISSING) -> object:
+    """``data[key]`` from parsed JSON, checked to be of ``kind``; errors name ``where.key``.
+
+    ``kind``: ``"int"`` (not bool), ``"number"`` (finite int or float), ``"str"``, ``"list"``,
+    ``"dict"``, ``"bool"``, or ``"any"``. Missing keys raise unless ``default`` is given.
+    """
+    label = f"{where}.{key}" if where else key
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'data'}: expected a JSON object, got {type(data).__name__}")
+    if key not in data:
+        if default is not _MISSING:
+            return default
+        raise ValueError(f"{label}: missing")
+    value = data[key]
+    ok = {
+        "int": _is_int,
+        "number": lambda v: _is_real(v) and math.isfinite(v),
+        "str": lambda v: isinstance(v, str),
+        "list": lambda v: isinstance(v, list),
+        "dict": lambda v: isinstance(v, dict),
+        "bool": lambda v: isinstance(v, bool),
+        "any": lambda v: True,
+    }[kind](value)
+    if not ok:
+        names = {"int": "an int", "number": "a finite number", "str": "a string", "list": "a list",
+                 "dict": "an object", "bool": "true or false"}
+        raise ValueError(f"{label}: expected {names[kind]}, got {value!r}")
+    return value

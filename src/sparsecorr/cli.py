@@ -5,6 +5,11 @@ Subcommands live one per module in `sparsecorr.commands`; each module exposes
 (imports the heavy machinery). ``sparsecorr --help`` therefore starts fast. Other
 distributions add subcommands through the ``sparsecorr.commands`` entry-point group (the TRL
 glue provides ``demo``); a known one that is not installed prints what to install.
+
+Every subcommand's ``--help`` shows the default of every option (`DefaultsHelpFormatter`,
+applied here to all subcommands). Bad input is one line on stderr naming the option, exit
+status 2; an operating-system error (a full disk, a permission) is one line, exit status 1;
+neither prints a traceback.
 """
 
 from __future__ import annotations
@@ -45,6 +50,39 @@ def _add_missing(sub: argparse._SubParsersAction, name: str, why: str) -> None:
         _missing=f"not installed: {install}" + (f" ({why})" if why != install else ""), _name=name)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to every optional argument's help, also when it has no help
+    text; skipped for required options, for help/version actions, and when the help already
+    states its default. Flags read ``(default: off)``."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        help_text = action.help
+        if help_text is not argparse.SUPPRESS and _shows_default(action):
+            help_text = (help_text or "").rstrip()
+            if "default" not in help_text.lower():
+                value = "off" if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) \
+                    and action.default is False else "%(default)s"
+                help_text = f"{help_text} (default: {value})".lstrip()
+        original, action.help = action.help, help_text
+        try:
+            return super()._format_action(action)
+        finally:
+            action.help = original
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    skipped = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
+    return bool(action.option_strings) and not action.required and not isinstance(action, skipped)
+
+
+def _option_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommand parsers of ``parser``, by name."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparsecorr",
@@ -52,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Measure, correct and plan sparse rollouts for LLM reinforcement learning "
             "with verifiable rewards."
         ),
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"sparsecorr {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -68,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(_module=module_name, _name=name)
     for name in KNOWN_PLUGINS.keys() - plugins.keys():
         _add_missing(sub, name, KNOWN_PLUGINS[name][1])
+    for p in _option_parsers(parser).values():
+        p.formatter_class = DefaultsHelpFormatter
     return parser
 
 
@@ -88,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # bad input: one clear line, no traceback
         print(f"sparsecorr {args._name}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the system refused (disk full, permissions): one line, no traceback
+        print(f"sparsecorr {args._name}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

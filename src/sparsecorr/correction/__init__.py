@@ -63,7 +63,7 @@ def get_preset(name: str, **numbers: object) -> CorrectionFn | None:
     """
     if name == "none":
         if numbers:
-            raise ValueError(f"numbers: 'none' takes no numbers, got {sorted(numbers)}")
+            raise ValueError(f"numbers: expected none for 'none', got {sorted(numbers)}")
         return None
     if name not in PRESETS:
         raise ValueError(f"name: expected one of {sorted(PRESETS)} or 'none', got {name!r}")

@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 
 from .._checks import count
-from ..mismatch import Mismatch
+from ..mismatch import Mismatch, as_metrics
 
 __all__ = ["Correction", "CorrectionFn", "chain"]
 
@@ -35,23 +35,32 @@ MetricValue = torch.Tensor | Callable[[], torch.Tensor]
 class Correction:
     r"""Detached weights, a rejection mask and (lazy) metrics for one batch.
 
+    The weight of kept token \(t\) is ``token_weights[t] * scale`` (each factor optional), 0
+    outside ``mask``; keeping the batch-normalisation ``scale`` apart lets the loss fold it into
+    the per-row advantages instead of rewriting a ``[B, T]`` tensor.
+
     Attributes:
-        mask: bool, the tokens that stay in the loss (a subset of the source's valid tokens).
+        mask: bool, the tokens that stay in the loss. With ``source`` set it must be a subset of
+            ``source.valid`` (every library correction guarantees it; the loss trusts it).
         token_weights: float32 weights, 0 outside ``mask``, or ``None`` for weight 1 on every
-            kept token (a pure rejection). Read ``weights`` for a tensor in every case.
+            kept token (a pure rejection). Read ``weights`` for the final tensor in every case.
+        scale: optional 0-d factor applied to every weight (batch normalisation).
         piece_metrics: correction-specific metrics (``correction/truncated_frac`` ...), each a
             0-d tensor or a function computing it on first access.
         source: the ``Mismatch`` it was computed from (for ``nonfinite_count`` and the
             fractions of the input); ``None`` when built by hand.
 
     Shapes:
-        mask, token_weights, weights: ``[B, T]``; sequence_mask: ``[B]``.
+        mask, token_weights, weights: ``[B, T]``; scale: ``[]``; sequence_mask: ``[B]``.
     """
 
     mask: torch.Tensor
     token_weights: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
     piece_metrics: Mapping[str, MetricValue] = field(default_factory=dict)
     source: Mismatch | None = None
+    #: reductions already computed by the correction ("tokens", "weight_sum"), reused by metrics
+    cache: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         m = self.mask
@@ -64,13 +73,14 @@ class Correction:
             raise ValueError(f"token_weights: expected None or a float tensor of shape "
                              f"{tuple(m.shape)}, got {getattr(w, 'dtype', type(w).__name__)} "
                              f"{tuple(getattr(w, 'shape', ()))}")
+        if self.scale is not None and (not isinstance(self.scale, torch.Tensor) or self.scale.numel() != 1):
+            raise ValueError(f"scale: expected None or a 0-d tensor, got {self.scale!r}")
 
     @cached_property
     def weights(self) -> torch.Tensor:
         """float32 ``[B, T]`` weights, detached, 0 outside ``mask``."""
-        if self.token_weights is None:
-            return self.mask.float()
-        return self.token_weights.detach().float()
+        w = self.mask.float() if self.token_weights is None else self.token_weights.detach().float()
+        return w if self.scale is None else w * self.scale.detach().reshape(())
 
     @cached_property
     def sequence_mask(self) -> torch.Tensor:
@@ -78,14 +88,27 @@ class Correction:
         return self.mask.any(dim=-1)
 
     @cached_property
+    def tokens(self) -> torch.Tensor:
+        """0-d float32: the number of kept tokens."""
+        return self.cache["tokens"] if "tokens" in self.cache else count(self.mask)
+
+    @cached_property
     def metrics(self) -> dict[str, torch.Tensor]:
-        """Detached 0-d float32 tensors: the standard metrics (``kept_token_frac``,
-        ``kept_seq_frac``, ``ess``, ``weight_mean``/``weight_min``/``weight_max``,
-        ``nonfinite_count``) and the piece metrics, all named ``correction/...``."""
-        out = standard_metrics(self)
+        """Detached 0-d float32 tensors named ``correction/...``: ``kept_token_frac``,
+        ``weight_mean``, ``ess``, ``nonfinite_count`` and the piece metrics (``full_metrics``
+        adds ``kept_seq_frac`` and the weight extremes)."""
+        return self.metrics_at("default")
+
+    @cached_property
+    def full_metrics(self) -> dict[str, torch.Tensor]:
+        """``metrics`` plus ``kept_seq_frac``, ``weight_min``, ``weight_max`` (two more passes)."""
+        return self.metrics_at("full")
+
+    def metrics_at(self, level: str) -> dict[str, torch.Tensor]:
+        out = standard_metrics(self, full=level == "full")
         for name, value in self.piece_metrics.items():
             out[name] = value() if callable(value) else value
-        return {k: v.detach().float().reshape(()) for k, v in out.items()}
+        return as_metrics(out)
 
     def reweight(self, factor: torch.Tensor) -> Correction:
         """The same correction with every weight multiplied by ``factor`` (detached); the mask
@@ -94,50 +117,47 @@ class Correction:
         if not isinstance(factor, torch.Tensor) or tuple(factor.shape) != tuple(self.mask.shape):
             raise ValueError(f"factor: expected a tensor of shape {tuple(self.mask.shape)}, got "
                              f"{tuple(getattr(factor, 'shape', ())) or type(factor).__name__}")
-        w = self.weights * factor.detach().float()
-        return Correction(mask=self.mask, token_weights=w, piece_metrics=self.piece_metrics,
-                          source=self.source)
+        w = self.mask.float() if self.token_weights is None else self.token_weights.detach().float()
+        return Correction(mask=self.mask, token_weights=w * factor.detach().float(), scale=self.scale,
+                          piece_metrics=self.piece_metrics, source=self.source)
 
 
 #: the one correction protocol
 CorrectionFn = Callable[[Mismatch], Correction]
 
 
-def standard_metrics(c: Correction) -> dict[str, torch.Tensor]:
-    """The metrics every correction reports, in five reductions over ``[B, T]``."""
+def standard_metrics(c: Correction, *, full: bool = False) -> dict[str, torch.Tensor]:
+    """The metrics every correction reports: two reductions over ``[B, T]`` (three more with
+    ``full``), then one vectorised division."""
     with torch.no_grad():
-        w, mask = c.weights, c.mask
-        kept = count(mask)
-        kept1 = kept.clamp(min=1)
-        flat = w.reshape(-1)
-        s1, s2 = flat.sum(), torch.dot(flat, flat)
-        mean = s1 / kept1
-        # outside the mask put the mean, which lies inside [min, max] of the kept weights
-        lo, hi = torch.aminmax(torch.where(mask, w, mean)) if w.numel() else (mean, mean)
         src = c.source
-        n_in = count(mask) if src is None else src.input_tokens
-        rows_in = mask.any(-1) if src is None else src.input_rows
-        nan = torch.full((), float("nan"), device=w.device)
-        return {
-            "correction/kept_token_frac": kept / n_in.clamp(min=1),
-            "correction/kept_seq_frac": count(c.sequence_mask & rows_in) / count(rows_in).clamp(min=1),
-            # normalised ESS (sum w)^2 / (n sum w^2), 0 when nothing is kept
-            "correction/ess": torch.where(s2 > 0, s1.square() / (kept * s2).clamp(min=1e-30), 0.0),
-            "correction/weight_mean": mean,
-            "correction/weight_min": torch.where(kept > 0, lo, nan),
-            "correction/weight_max": torch.where(kept > 0, hi, nan),
-            "correction/nonfinite_count": torch.zeros(()) if src is None else src.nonfinite,
-        }
-
-
-def frac(part: torch.Tensor, whole: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """A lazy metric: ``count(part) / count(whole)`` (0 when ``whole`` is empty)."""
-    return lambda: count(part) / count(whole).clamp(min=1)
-
-
-def seqs(part: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """A lazy metric: the number of True entries of a ``[B]`` mask."""
-    return lambda: count(part)
+        kept = c.tokens
+        w = c.token_weights
+        if w is None:
+            s1, s2 = kept, kept
+        else:
+            flat = w.detach().float().reshape(-1)
+            s1 = c.cache["weight_sum"] if "weight_sum" in c.cache else flat.sum()
+            s2 = torch.dot(flat, flat)
+        one = kept.new_ones(())
+        scale = one if c.scale is None else c.scale.detach().float().reshape(())
+        n_in = count(c.mask) if src is None else src.input_tokens
+        nonfinite = kept.new_zeros(()) if src is None else src.nonfinite
+        num = torch.stack([kept, s1 * scale, s1.square(), nonfinite])
+        den = torch.stack([n_in, kept, kept * s2, one])
+        v = torch.where(den > 0, num / den.clamp(min=1e-30), 0.0).unbind()
+        out = {"correction/kept_token_frac": v[0], "correction/weight_mean": v[1],
+               "correction/ess": v[2], "correction/nonfinite_count": v[3]}
+        if full:
+            rows_in = c.mask.any(-1) if src is None else src.input_rows
+            out["correction/kept_seq_frac"] = count(c.sequence_mask & rows_in) / count(rows_in).clamp(min=1)
+            ww = c.weights
+            mean = v[1]  # lies inside [min, max] of the kept weights
+            lo, hi = torch.aminmax(torch.where(c.mask, ww, mean)) if ww.numel() else (mean, mean)
+            nan = torch.full((), float("nan"), device=ww.device)
+            out["correction/weight_min"] = torch.where(kept > 0, lo, nan)
+            out["correction/weight_max"] = torch.where(kept > 0, hi, nan)
+        return out
 
 
 @dataclass(frozen=True)
@@ -151,7 +171,7 @@ class Chain:
     pieces: tuple[CorrectionFn, ...]
 
     def __call__(self, mm: Mismatch) -> Correction:
-        mask, weights, metrics = None, None, {}
+        mask, weights, scale, metrics = None, None, None, {}
         mask_only = False
         for piece in self.pieces:
             c = piece(mm)
@@ -163,11 +183,13 @@ class Chain:
                 mask_only = True
             else:
                 weights = c.token_weights if weights is None else weights * c.token_weights
+            if c.scale is not None:
+                scale = c.scale if scale is None else scale * c.scale
             metrics.update(c.piece_metrics)
         if weights is not None and mask_only:
             # every weight piece is 0 outside its own mask; a pure rejection is not
             weights = torch.where(mask, weights, 0.0)
-        return Correction(mask=mask, token_weights=weights, piece_metrics=metrics, source=mm)
+        return Correction(mask=mask, token_weights=weights, scale=scale, piece_metrics=metrics, source=mm)
 
 
 def chain(*corrections: CorrectionFn) -> Chain:

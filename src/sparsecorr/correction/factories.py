@@ -203,6 +203,6 @@ def openrlhf(
     else:
         _number("threshold[1]", high, strict=True)
         if not (isinstance(low, (int, float)) and low == low and low <= 0):
-            raise ValueError(f"threshold[0]: gating={gating!r} takes an upper bound only, so low "
-                             f"must be a number <= 0, got {low!r}")
+            raise ValueError(f"threshold[0]: expected a number <= 0 (gating={gating!r} takes an "
+                             f"upper bound only), got {low!r}")
     return OpenRLHFCorrection(level=level, mode=mode, gating=gating, threshold=(low, high))

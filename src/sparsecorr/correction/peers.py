@@ -124,7 +124,8 @@ class OpenRLHFCorrection:
         if self.level == "seq":
             # OpenRLHF averages over every row; an empty row's statistic is 0/0 = NaN there,
             # which fails the band test, so it counts as filtered (its weight is moot)
-            frac = (lambda: (filtered[:, 0] | ~clean.any(-1)).float().mean()) if clean.shape[-1] \
+            rows = max(clean.shape[0], 1)
+            frac = (lambda: count(filtered[:, 0] | ~clean.any(-1)) / rows) if clean.shape[-1] \
                 else torch.zeros(())
         else:
             frac = _filtered_frac(filtered, mm)

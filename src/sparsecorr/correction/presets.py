@@ -16,7 +16,7 @@ import torch
 from .._checks import count
 from .._dist import all_reduce_sum
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch, masked_quantile
-from .base import Correction, CorrectionFn, seqs
+from .base import Correction, CorrectionFn
 
 __all__ = [
     "OPSM",
@@ -46,6 +46,11 @@ def row_log_ratio(mm: Mismatch, reduce: str) -> torch.Tensor:
     if reduce == "mean":
         return s / count(mm.valid, dim=-1).clamp(min=1)
     return s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _above(lr: torch.Tensor, valid: torch.Tensor, t: float) -> torch.Tensor:
+    """Valid tokens with log-ratio above ``t`` (padding holds 0: no need to mask when t >= 0)."""
+    return lr > t if t >= 0 else valid & (lr > t)
 
 
 def _in_band(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
@@ -119,7 +124,8 @@ class Veto:
     def __call__(self, mm: Mismatch) -> Correction:
         bad = _veto_rows(mm, self.threshold)
         keep = mm.valid & ~bad[:, None]
-        return Correction(mask=keep, piece_metrics={"correction/vetoed_seqs": seqs(mm.valid_rows & bad)},
+        # a vetoed row has a valid token below the threshold: it is never an empty row
+        return Correction(mask=keep, piece_metrics={"correction/vetoed_seqs": lambda: count(bad)},
                           source=mm)
 
 
@@ -150,9 +156,9 @@ class Divergence:
             stat = k.amax(-1)
         else:
             stat = k.sum(-1) / count(mm.valid, dim=-1).clamp(min=1)
-        bad = stat > self.threshold
+        bad = stat > self.threshold  # an empty row has statistic 0 <= threshold
         return Correction(mask=mm.valid & ~bad[:, None],
-                          piece_metrics={"correction/divergence_rejected_seqs": seqs(mm.valid_rows & bad)},
+                          piece_metrics={"correction/divergence_rejected_seqs": lambda: count(bad)},
                           source=mm)
 
 
@@ -166,8 +172,8 @@ class TailReject:
 
     def __call__(self, mm: Mismatch) -> Correction:
         if mm.acceptance is None:
-            raise ValueError("acceptance: the tail rejection needs per-token acceptance rates "
-                             "(measure(..., acceptance=...)), got None")
+            raise ValueError("acceptance: expected per-token acceptance rates in the record "
+                             "(measure(..., acceptance=...)) for the tail rejection, got None")
         acc = mm.acceptance.detach().float()
         clean = mm.valid & (acc.abs() < math.inf)
         if acc.shape[-1] == 0:
@@ -176,7 +182,7 @@ class TailReject:
             ok = masked_quantile(acc, clean, self.q, dim=1) >= self.tau  # NaN (empty row) fails
         keep = clean & ok[:, None]
         return Correction(mask=keep, piece_metrics={
-            "correction/tail_rejected_seqs": seqs(clean.any(-1) & ~ok)}, source=mm)
+            "correction/tail_rejected_seqs": lambda: count(clean.any(-1) & ~ok)}, source=mm)
 
 
 @dataclass(frozen=True)
@@ -189,8 +195,8 @@ class OPSM:
 
     def __call__(self, mm: Mismatch) -> Correction:
         if mm.advantages is None:
-            raise ValueError("advantages: OPSM needs advantages (sparse_grpo passes them; or "
-                             "measure(..., advantages=...)), got None")
+            raise ValueError("advantages: expected advantages in the record for OPSM (sparse_grpo "
+                             "passes them; or measure(..., advantages=...)), got None")
         valid, lr = mm.valid, mm.log_ratio
         if mm.logp is not None:
             raw = mm.logp.float() - mm.rollout_logp.detach().float()
@@ -201,20 +207,28 @@ class OPSM:
             adv = torch.where(valid, adv, 0.0).sum(-1) / count(valid, dim=-1).clamp(min=1)
         adv = adv.reshape(-1)
         drift = -lr.sum(-1) / count(valid, dim=-1).clamp(min=1)
-        bad = (adv < 0) & (drift > self.delta)
+        bad = (adv < 0) & (drift > self.delta)  # an empty row has drift 0 <= delta
         return Correction(mask=valid & ~bad[:, None], piece_metrics={
-            "correction/opsm_rejected_seqs": seqs(valid.any(-1) & bad)}, source=mm)
+            "correction/opsm_rejected_seqs": lambda: count(bad)}, source=mm)
 
 
 def _normalize(c: Correction, group: object | None) -> Correction:
-    """Rescale ``c``'s weights so their mean over kept tokens (of every rank) is 1."""
+    """Scale ``c``'s weights so their mean over kept tokens (of every rank) is 1. The factor is
+    kept apart (``Correction.scale``): the loss folds it into the per-row advantages."""
     if c.token_weights is None:  # every kept weight is 1 already
         return c
     w = c.token_weights
-    total = all_reduce_sum(torch.stack([w.sum(), count(c.mask)]), group)
-    scale = torch.where(total[0] > 0, total[1] / total[0].clamp(min=1e-30), 1.0)
-    return Correction(mask=c.mask, token_weights=w * scale, piece_metrics=c.piece_metrics,
-                      source=c.source)
+    w_sum, n = w.sum(), count(c.mask)
+    if group is not None:
+        total = all_reduce_sum(torch.stack([w_sum, n]), group)
+        w_tot, n_tot = total[0], total[1]
+    else:
+        w_tot, n_tot = w_sum, n
+    # the new scale replaces any inner one: the final weights are w * n / sum(w). A sum of 0
+    # means no kept token (kept weights of the library's corrections are > 0): any scale works
+    scale = n_tot / w_tot.clamp(min=1e-30)
+    return Correction(mask=c.mask, token_weights=w, scale=scale, piece_metrics=c.piece_metrics,
+                      source=c.source, cache={"weight_sum": w_sum, "tokens": n})
 
 
 @dataclass(frozen=True)
@@ -256,10 +270,10 @@ class SparseRL:
             w.clamp_(max=self.cap)
         w.mul_(keep)
         metrics = {
-            "correction/truncated_frac": (lambda: count(valid & (lr > cap)) / mm.tokens.clamp(min=1))
+            "correction/truncated_frac": (lambda: count(_above(lr, valid, cap)) / mm.tokens.clamp(min=1))
             if cap is not None else torch.zeros(()),
             "correction/band_rejected_frac": lambda: 1.0 - count(in_band) / mm.tokens.clamp(min=1),
-            "correction/vetoed_seqs": seqs(mm.valid_rows & bad),
+            "correction/vetoed_seqs": lambda: count(bad),
         }
         return _normalize(Correction(mask=keep, token_weights=w, piece_metrics=metrics, source=mm),
                           self.group)

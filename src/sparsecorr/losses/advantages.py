@@ -11,7 +11,10 @@ A_i = R_i - \bar R_V\ (\texttt{normalize="none"}, \text{Dr. GRPO}),
 with \(\bar R_V\) the mean and \(\sigma_V\) the unbiased (Bessel, as in TRL) standard deviation
 over \(V\) (0 when \(|V| \le 1\)). Invalid rollouts get \(A_i = 0\) and do not move their group's
 statistics, so a sequence vetoed by the correction (``Correction.sequence_mask``) cannot shift
-the advantages of its siblings (shared/METHODS.md §5, verl #6362).
+the advantages of its siblings (shared/METHODS.md §5, verl #6362). A rollout whose reward is NaN
+or ±inf leaves its group the same way and gets \(A_i = \text{NaN}\), so that
+[`sparse_grpo`][sparsecorr.losses.sparse_grpo] drops it from the loss and counts it
+(``loss/nonfinite_advantage_seqs``) instead of training on a made-up advantage.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def group_advantages(
             group's mean and standard deviation. Typically ``correction.sequence_mask``.
 
     Returns:
-        float32 advantages, 0 for invalid rollouts.
+        float32 advantages, 0 for invalid rollouts, NaN for rollouts with a non-finite reward
+        (the rest of their group is unaffected).
 
     Shapes:
         rewards, valid: ``[B]`` -> ``[B]``.
@@ -58,6 +62,8 @@ def group_advantages(
     elif not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.shape != rewards.shape:
         raise ValueError(f"valid: expected a bool tensor of shape {tuple(rewards.shape)}, got "
                          f"{getattr(valid, 'dtype', type(valid))} {tuple(getattr(valid, 'shape', ()))}")
+    finite = rewards.float().abs() < float("inf")
+    valid = valid & finite
     r = torch.where(valid, rewards.float(), 0.0).reshape(-1, group_size)
     v = valid.reshape(-1, group_size).float()
     n = v.sum(dim=1, keepdim=True)
@@ -67,4 +73,5 @@ def group_advantages(
     if normalize == "std":
         var = centred.square().sum(dim=1, keepdim=True) / (n - 1.0).clamp(min=1.0)
         adv = centred / (var.sqrt() + eps)
-    return adv.reshape(-1) * valid.float()
+    adv = adv.reshape(-1) * valid.float()
+    return torch.where(finite, adv, float("nan"))

@@ -89,8 +89,12 @@ class Aggregation:
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < math.inf):
             raise ValueError(f"norm_length: expected a finite number > 0 or None, got {n!r}")
 
-    def row_scales(self, mask: torch.Tensor) -> torch.Tensor:
-        r"""``[B]`` row scales \(r_i\) (``row_scales`` with this mode and normalisers)."""
+    def row_scales(self, mask: torch.Tensor, *, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        r"""``[B]`` row scales \(r_i\) (``row_scales`` with this mode and normalisers);
+        ``tokens``: the mask's count when already known (saves a pass)."""
+        if self.mode == "token-mean" and self.num_tokens is None and tokens is not None:
+            # a count: 0 means every row is empty, when any finite scale gives the same loss
+            return tokens.clamp(min=1.0).reciprocal().expand(mask.shape[0])
         return row_scales(mask, mode=self.mode, num_tokens=self.num_tokens,
                           num_sequences=self.num_sequences, norm_length=self.norm_length)
 

@@ -31,7 +31,7 @@ import torch
 
 from .._checks import check_choice, check_float_tensor, check_mask, check_same_shape, count
 from ..correction import Correction
-from ..mismatch import LOG_RATIO_CLAMP, Mismatch, measure, mismatch_metrics
+from ..mismatch import LOG_RATIO_CLAMP, Mismatch, as_metrics, measure, mismatch_metrics
 from .aggregation import Aggregation
 from .output import LossOutput
 from .ppo import SurrogateInputs
@@ -129,15 +129,15 @@ def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction
 
 def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
     """Float32 advantages (``[B, 1]`` or ``[B, T]``), 0 where non-finite; kept minus those
-    rows / tokens; the non-finite count (rows for per-sequence advantages)."""
+    rows / tokens; a function counting the rows with a non-finite advantage."""
     adv = advantages.detach().float()
     if adv.dim() == 1 or adv.shape[1] == 1:
         adv = adv.reshape(-1, 1)
         ok = adv.abs() < _INF
-        return torch.where(ok, adv, 0.0), kept & ok, lambda: count(~ok[:, 0] & kept.any(dim=1))
+        return torch.where(ok, adv, 0.0), kept & ok, lambda: count(~ok)
     ok = adv.abs() < _INF
-    bad_rows = kept & ~ok
-    return torch.where(ok, adv, 0.0), kept & ok, lambda: count(bad_rows.any(dim=1))
+    bad = kept & ~ok
+    return torch.where(ok, adv, 0.0), kept & ok, lambda: count(bad.any(dim=1))
 
 
 def sparse_grpo(
@@ -222,24 +222,23 @@ def sparse_grpo(
     mm = mismatch if mismatch is not None else (
         measure(old_logp, rollout_logp, mask, validate=False) if rollout_logp is not None else None)
     corr = _correction(correction, mm, advantages, logp)
-    # a hand-made correction may keep a non-finite token: the record's valid mask always applies
-    base = (corr.mask & mm.valid) if corr is not None else (mm.valid if mm is not None else mask)
+    base = _base_mask(corr, mm, mask)
     with torch.no_grad():
         # the learner side: logp - old_logp must be finite (covers old_logp without a record)
-        lr = logp.detach().float() - old_logp.detach().float()
-        kept = (lr.abs() < _INF).logical_and_(base)
+        raw = logp.detach().float() - old_logp.detach().float()
+        kept = (raw.abs() < _INF).logical_and_(base)
         use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
         if use_ref:
             kept &= ref_logp.detach().abs() < _INF
         adv, kept, bad_adv = _advantages(advantages, kept)
-        lr.masked_fill_(~kept, 0.0)
+        lr = torch.where(kept, raw, 0.0)
         n = count(kept)
+        neg_adv = adv.neg() if corr is None or corr.scale is None else adv * -corr.scale.reshape(())
         w = None if corr is None else corr.token_weights
-        neg_wa = torch.where(kept, adv.neg() if w is None else w * adv.neg(), 0.0)
-    scales = agg.row_scales(kept)
+        neg_wa = torch.where(kept, neg_adv if w is None else w * neg_adv, 0.0)
+    scales = agg.row_scales(kept, tokens=n)
     out = sur(SurrogateInputs(logp=logp, old_logp=old_logp.detach().float(), log_ratio=lr,
-                              kept=kept, advantages=adv, neg_weighted_adv=neg_wa, scales=scales,
-                              n=n, full_metrics=metrics == "full"))
+                              kept=kept, advantages=adv, neg_weighted_adv=neg_wa, scales=scales, n=n))
     token_loss, loss = out.token_loss, out.loss
     pg_loss = loss.detach()
     k3 = None
@@ -249,37 +248,52 @@ def sparse_grpo(
         if pen.coef > 0:
             term = k3
             if pen.bias_correction:  # k3 times the PPO ratio, with its gradient (TRL)
-                raw = torch.where(kept, logp.float() - old_logp.detach().float(), 0.0)
-                term = k3 * raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+                r = torch.where(kept, logp.float() - old_logp.detach().float(), 0.0)
+                term = k3 * r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
             token_loss = token_loss + pen.coef * term
             loss = loss + pen.coef * (term.sum(dim=1) * scales).sum()
     if metrics == "none":
         return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=kept)
-    m = _metrics(out.metrics, mm=mm, corr=corr, kept=kept, n=n, base=base, bad_adv=bad_adv,
-                 k3=k3, agg=agg, full=metrics == "full")
-    m["loss/pg_loss"] = pg_loss
-    m["loss/loss"] = loss.detach()
-    return LossOutput(loss=loss, token_loss=token_loss,
-                      metrics={k: v.detach().float().reshape(()) for k, v in m.items()}, mask=kept)
-
-
-def _metrics(sur_metrics, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
-    """Resolve the lazy metrics of every stage (the loss's own ones first)."""
     with torch.no_grad():
-        n1 = n.clamp(min=1)
-        m = {k: v() if callable(v) else v for k, v in sur_metrics.items()}
-        m["loss/tokens"] = n
-        m["loss/sequences"] = count(kept.any(dim=1)) if kept.shape[1] else torch.zeros(())
-        m["loss/nonfinite_tokens"] = count(base) - n  # kept is a subset of base
-        m["loss/nonfinite_advantage_seqs"] = bad_adv()
-        if k3 is not None:
-            m["loss/kl_ref_k3_mean"] = k3.detach().sum() / n1
-        fallback = agg.normalizer_fallback()
-        if fallback is not None:
-            m["loss/normalizer_fallback"] = fallback
-        if mm is not None:
-            m["loss/nonfinite_rollout"] = mm.nonfinite
-            m.update(mismatch_metrics(mm, level="full" if full else "default"))
-        if corr is not None:
-            m.update(corr.metrics)
+        m = _metrics(out, mm=mm, corr=corr, kept=kept, n=n, base=base, bad_adv=bad_adv, k3=k3,
+                     agg=agg, full=metrics == "full")
+        m["loss/pg_loss"] = pg_loss
+        m["loss/loss"] = loss.detach()
+    return LossOutput(loss=loss, token_loss=token_loss, metrics=as_metrics(m), mask=kept)
+
+
+def _base_mask(corr: Correction | None, mm: Mismatch | None, mask: torch.Tensor) -> torch.Tensor:
+    """The tokens the correction keeps (the record's valid ones without a correction). A
+    library correction's mask is a subset of its record's valid tokens; a hand-made one (or one
+    from another record) is intersected with them, so a non-finite token never gets through."""
+    if corr is None:
+        return mask if mm is None else mm.valid
+    same = corr.source is not None and corr.source.valid is mm.valid
+    return corr.mask if same else corr.mask & mm.valid
+
+
+def _metrics(out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
+    """Every stage's metrics: per-kept-token means divided at once, counts, then the record's
+    and the correction's own."""
+    sums = out.sums()
+    if k3 is not None:
+        sums["loss/kl_ref_k3_mean"] = k3.detach().sum()
+    n_base = corr.tokens if corr is not None and base is corr.mask else count(base)
+    names = list(sums)
+    means = (torch.stack([sums[k] for k in names]) / n.clamp(min=1)).unbind() if names else ()
+    m = dict(zip(names, means))
+    counts = torch.stack([n, count(kept.any(dim=1)) if kept.shape[1] else n.new_zeros(()),
+                          n_base - n, bad_adv()]).unbind()
+    m.update(zip(("loss/tokens", "loss/sequences", "loss/nonfinite_tokens",
+                  "loss/nonfinite_advantage_seqs"), counts))
+    if full:
+        m.update(out.extra())
+    fallback = agg.normalizer_fallback()
+    if fallback is not None:
+        m["loss/normalizer_fallback"] = fallback
+    if mm is not None:
+        m["loss/nonfinite_rollout"] = mm.nonfinite
+        m.update(mismatch_metrics(mm, level="full" if full else "default"))
+    if corr is not None:
+        m.update(corr.full_metrics if full else corr.metrics)
     return m

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -53,7 +54,6 @@ class SurrogateInputs:
         neg_weighted_adv: float32 ``[B, T]`` \(-w_t A\), 0 where not kept.
         scales: ``[B]`` row scales of the aggregation.
         n: 0-d number of kept tokens.
-        full_metrics: also report the expensive metrics (ratio extremes).
     """
 
     logp: torch.Tensor
@@ -64,17 +64,22 @@ class SurrogateInputs:
     neg_weighted_adv: torch.Tensor
     scales: torch.Tensor
     n: torch.Tensor
-    full_metrics: bool = False
 
 
 @dataclass(frozen=True)
 class SurrogateOutput:
-    """``token_loss`` ``[B, T]`` and ``loss`` ``[]`` (both carry the gradient) and lazy metrics
-    (``name -> tensor or function``, resolved by ``sparse_grpo`` when it reports metrics)."""
+    """``token_loss`` ``[B, T]`` and ``loss`` ``[]`` (both carry the gradient), and the metrics,
+    computed only when ``sparse_grpo`` reports them:
+
+    - ``sums()``: ``name -> 0-d sum over the kept tokens``; the metric is that sum divided by
+      the kept-token count (all divided at once);
+    - ``extra()``: ``name -> 0-d value`` for anything else (``metrics="full"``).
+    """
 
     token_loss: torch.Tensor
     loss: torch.Tensor
-    metrics: dict[str, torch.Tensor | Callable[[], torch.Tensor]] = field(default_factory=dict)
+    sums: Callable[[], dict[str, torch.Tensor]] = dict
+    extra: Callable[[], dict[str, torch.Tensor]] = dict
 
 
 class _PPOClip(torch.autograd.Function):
@@ -106,45 +111,39 @@ class _PPOClip(torch.autograd.Function):
         return (coef * grad).to(ctx.logp_dtype), None, None, None, None, None
 
 
+@lru_cache(maxsize=64)
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A cached 0-d float32 tensor (no tensor creation per call)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
 def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
                      dual_clip: float | None) -> SurrogateOutput:
     """Token-level weighted clipped surrogate, its aggregate and lazy metrics (``PPOClip``)."""
     pos = x.advantages >= 0
-    lo = torch.where(pos, -1.0, -clip_low)
-    hi = torch.where(pos, clip_high, _HUGE_M1 if dual_clip is None else dual_clip - 1.0)
+    dev = pos.device
+    lo = torch.where(pos, _constant(-1.0, dev), _constant(-clip_low, dev))
+    big = _HUGE_M1 if dual_clip is None else dual_clip - 1.0
+    hi = torch.where(pos, _constant(clip_high, dev), _constant(big, dev))
     token_loss, loss, em1, active = _PPOClip.apply(x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi,
                                                     x.scales)
-    return SurrogateOutput(token_loss, loss, _ppo_metrics(x, em1, active, dual_clip))
+    return SurrogateOutput(token_loss, loss, sums=lambda: _ppo_sums(x, em1, active, dual_clip),
+                           extra=lambda: ratio_extremes(em1, x.kept, x.n))
 
 
-def _ppo_metrics(x: SurrogateInputs, em1: torch.Tensor, active: torch.Tensor, dual_clip) -> dict:
-    n1 = x.n.clamp(min=1.0)
+def _ppo_sums(x: SurrogateInputs, em1: torch.Tensor, active: torch.Tensor, dual_clip) -> dict:
+    """Kept-token sums of the PPO metrics: clipped tokens by side, the ratio, ``-log ratio``."""
     adv = x.advantages
-    state: dict[str, torch.Tensor] = {}
-
-    def clipped() -> tuple[torch.Tensor, torch.Tensor]:
-        # off-loss entries are active (rho - 1 = 0 lies inside every clamp)
-        if "all" not in state:
-            rows = active.shape[1] - count(active, dim=1)
-            state["all"] = rows.sum()
-            state["neg"] = ((rows * (adv[:, 0] < 0)).sum() if adv.shape[1] == 1
-                            else count(~active & (adv < 0)))
-        return state["all"], state["neg"]
-
-    def dual() -> torch.Tensor:
-        return count(~active & (adv < 0) & (em1 > 0))
-
-    out = {
-        "loss/clip_frac_high": lambda: (clipped()[0] - clipped()[1]) / n1,
-        "loss/clip_frac_low": (lambda: clipped()[1] / n1) if dual_clip is None
-        else (lambda: (clipped()[1] - dual()) / n1),
-        "loss/ratio_mean": lambda: 1.0 + em1.sum() / n1,
-        "loss/ppo_kl_k1_mean": lambda: -x.log_ratio.sum() / n1,
-    }
+    # off-loss entries are active (rho - 1 = 0 lies inside every clamp): count the clipped ones
+    rows = active.shape[1] - count(active, dim=1)
+    c_all = rows.sum()
+    c_neg = (rows * (adv[:, 0] < 0)).sum() if adv.shape[1] == 1 else count(~active & (adv < 0))
+    out = {"loss/clip_frac_high": c_all - c_neg, "loss/clip_frac_low": c_neg,
+           "loss/ratio_mean": x.n + em1.sum(), "loss/ppo_kl_k1_mean": -x.log_ratio.sum()}
     if dual_clip is not None:
-        out["loss/clip_frac_dual"] = lambda: dual() / n1
-    if x.full_metrics:
-        out.update(ratio_extremes(em1, x.kept, x.n))
+        c_dual = count(~active & (adv < 0) & (em1 > 0))
+        out["loss/clip_frac_low"] = c_neg - c_dual
+        out["loss/clip_frac_dual"] = c_dual
     return out
 
 

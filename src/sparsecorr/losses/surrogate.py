@@ -94,7 +94,7 @@ class GSPO:
         token_loss = torch.where(kept, x.neg_weighted_adv * clipped, 0.0)
         loss = (token_loss.sum(dim=1) * x.scales).sum()
         r, unclipped = ratio.detach(), (clipped.detach() == ratio.detach())
-        return SurrogateOutput(token_loss, loss, _ratio_metrics(x, r.expand_as(kept), unclipped.expand_as(kept)))
+        return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r.expand_as(kept), unclipped.expand_as(kept)))
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class CISPO:
         coef = torch.clamp(r, max=self.cap) * x.neg_weighted_adv  # detached
         token_loss = torch.where(x.kept, coef * x.logp.float(), 0.0)
         loss = (token_loss.sum(dim=1) * x.scales).sum()
-        return SurrogateOutput(token_loss, loss, _ratio_metrics(x, r, (r <= self.cap) | ~x.kept))
+        return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r, (r <= self.cap) | ~x.kept))
 
 
 @dataclass(frozen=True)
@@ -139,17 +139,18 @@ class SAPO:
         token_loss = torch.where(x.kept, x.neg_weighted_adv * gate, 0.0)
         loss = (token_loss.sum(dim=1) * x.scales).sum()
         r = rho.detach()
-        return SurrogateOutput(token_loss, loss, _ratio_metrics(x, r, torch.ones_like(x.kept)))
+        return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r, None))
 
 
-def _ratio_metrics(x: SurrogateInputs, ratio: torch.Tensor, unclipped: torch.Tensor) -> dict:
-    """Lazy ``loss/ratio_mean`` and ``loss/clip_frac`` for the plain-autograd surrogates."""
-    n1 = x.n.clamp(min=1)
-    return {
-        "loss/ratio_mean": lambda: torch.where(x.kept, ratio, 0.0).sum() / n1,
-        "loss/clip_frac": lambda: count(x.kept & ~unclipped) / n1,
-        "loss/ppo_kl_k1_mean": lambda: -x.log_ratio.sum() / n1,
-    }
+def _ratio_sums(x: SurrogateInputs, ratio: torch.Tensor, unclipped: torch.Tensor | None):
+    """Kept-token sums for ``loss/ratio_mean``, ``loss/clip_frac`` and ``loss/ppo_kl_k1_mean``."""
+    def sums() -> dict[str, torch.Tensor]:
+        out = {"loss/ratio_mean": torch.where(x.kept, ratio, 0.0).sum(),
+               "loss/ppo_kl_k1_mean": -x.log_ratio.sum()}
+        if unclipped is not None:
+            out["loss/clip_frac"] = count(x.kept & ~unclipped)
+        return out
+    return sums
 
 
 #: surrogate name -> class (``sparse_grpo(surrogate=NAME)`` builds it with its defaults)

@@ -26,7 +26,7 @@ from .metrics import (
 from .quantiles import binned_quantile, masked_quantile
 from .record import LOG_RATIO_CLAMP, Mismatch, measure
 from .sketch import BinnedQuantileSketch, QuantileSketch
-from .summary import mismatch_metrics, quantile_name
+from .summary import as_metrics, mismatch_metrics, quantile_name
 
 __all__ = [
     "LOG_RATIO_CLAMP",
@@ -35,6 +35,7 @@ __all__ = [
     "QuantileSketch",
     "acceptance_rate",
     "acceptance_rate_topk",
+    "as_metrics",
     "binned_quantile",
     "chi2",
     "effective_sample_size",

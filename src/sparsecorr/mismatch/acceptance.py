@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_float_tensor, check_same_shape
-from .logprobs import _chunks, default_chunk_rows
+from .._checks import check_float_tensor, check_int_tensor, check_same_shape
+from .logprobs import _check_logits, _chunks, default_chunk_rows
 
 __all__ = ["acceptance_rate", "acceptance_rate_topk"]
 
@@ -36,8 +36,13 @@ def acceptance_rate(
     Args:
         p_logits: dense model logits.
         q_logits: sparse sampler logits at the same positions.
-        temperature: applied to both before the softmax.
-        chunk_size: rows (of B·T) per chunk; default keeps each float32 chunk small.
+        temperature: applied to both before the softmax (finite, > 0).
+        chunk_size: rows (of B·T) per chunk, a positive int; default keeps each float32 chunk
+            small.
+
+    Returns:
+        \(\alpha_t\), NaN at a position where either row of logits holds NaN or +inf (an
+        unknown acceptance: quantiles and sketches skip it); empty for B = 0 or T = 0.
 
     Shapes:
         p_logits, q_logits: ``[B, T, V]`` -> ``[B, T]`` float32 in [0, 1].
@@ -45,8 +50,7 @@ def acceptance_rate(
     check_float_tensor("p_logits", p_logits)
     check_float_tensor("q_logits", q_logits)
     check_same_shape(p_logits=p_logits, q_logits=q_logits)
-    if temperature <= 0:
-        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    _check_logits(p_logits, temperature, chunk_size)
     v = p_logits.shape[-1]
     p2, q2 = p_logits.reshape(-1, v), q_logits.reshape(-1, v)
     out = torch.empty(p2.shape[0], dtype=torch.float32, device=p_logits.device)
@@ -69,19 +73,32 @@ def acceptance_rate_topk(
         q_logp: top-k log-probs of the sparse sampler (k may differ).
         q_ids: their token ids.
 
+    Returns:
+        the bound; NaN at a position where either side's top-k log-probs hold a NaN (an
+        unknown acceptance, skipped by quantiles and sketches); ``-inf`` log-probs are
+        legitimate (zero probability) and contribute 0. Empty for B = 0 or T = 0.
+
     Shapes:
-        ``[B, T, k_p]`` and ``[B, T, k_q]`` -> ``[B, T]`` float32 in [0, 1].
+        ``[B, T, k_p]`` and ``[B, T, k_q]`` (k >= 1) -> ``[B, T]`` float32 in [0, 1].
     """
     check_float_tensor("p_logp", p_logp)
     check_float_tensor("q_logp", q_logp)
+    check_int_tensor("p_ids", p_ids)
+    check_int_tensor("q_ids", q_ids)
     check_same_shape(p_logp=p_logp, p_ids=p_ids)
     check_same_shape(q_logp=q_logp, q_ids=q_ids)
+    for name, x in (("p_logp", p_logp), ("q_logp", q_logp)):
+        if x.dim() < 1 or x.shape[-1] < 1:
+            raise ValueError(f"{name}: expected [..., k] with k >= 1, got shape {tuple(x.shape)}")
     if p_logp.shape[:-1] != q_logp.shape[:-1]:
         raise ValueError(
             f"q_logp: expected leading shape {tuple(p_logp.shape[:-1])} of p_logp, "
             f"got {tuple(q_logp.shape[:-1])}"
         )
+    p, q = p_logp.float(), q_logp.float()
+    unknown = p.isnan().any(-1) | q.isnan().any(-1)
     same = p_ids[..., :, None] == q_ids[..., None, :]  # [..., k_p, k_q]
-    q_match = torch.where(same, q_logp.float()[..., None, :], float("-inf")).amax(-1)
-    terms = torch.minimum(p_logp.float(), q_match).exp()  # exp(-inf) = 0 for no match
-    return torch.nan_to_num(terms, nan=0.0).sum(-1).clamp(0.0, 1.0)
+    q_match = torch.where(same, q.nan_to_num(nan=float("-inf"))[..., None, :], float("-inf")).amax(-1)
+    terms = torch.minimum(p.nan_to_num(nan=float("-inf")), q_match).exp()  # exp(-inf) = 0: no match
+    alpha = terms.sum(-1).clamp(0.0, 1.0)
+    return torch.where(unknown, float("nan"), alpha)

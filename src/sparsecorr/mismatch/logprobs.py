@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .._checks import check_float_tensor
+from .._checks import check_float_tensor, check_int
 
 __all__ = [
     "default_chunk_rows",
@@ -46,8 +46,24 @@ def _chunks(n: int, rows: int) -> Iterator[slice]:
         yield slice(start, min(n, start + rows))
 
 
-def _check(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> None:
+def _check_logits(logits: object, temperature: object, chunk_size: object) -> None:
+    """Shared checks: float logits with a non-empty vocab dim, finite temperature > 0,
+    ``chunk_size`` None or a positive int (0 or less used to return uninitialised memory)."""
     check_float_tensor("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] < 1:  # type: ignore[union-attr]
+        raise ValueError(
+            f"logits: expected a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}"  # type: ignore[union-attr]
+        )
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        0 < temperature < float("inf")
+    ):
+        raise ValueError(f"temperature: expected a finite number > 0, got {temperature!r}")
+    check_int("chunk_size", chunk_size, low=1, allow_none=True)
+
+
+def _check(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+           chunk_size: int | None = None, *, validate: bool = True) -> None:
+    _check_logits(logits, temperature, chunk_size)
     if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.dtype == torch.bool:
         raise ValueError(f"tokens: expected an integer tensor, got {getattr(tokens, 'dtype', type(tokens))}")
     if tuple(tokens.shape) != tuple(logits.shape[:-1]):
@@ -55,8 +71,12 @@ def _check(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> No
             f"tokens: expected shape {tuple(logits.shape[:-1])} (logits without the vocab dim), "
             f"got {tuple(tokens.shape)}"
         )
-    if not temperature > 0:
-        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    v = logits.shape[-1]
+    if validate and tokens.numel() and bool(((tokens < 0) | (tokens >= v)).any()):
+        raise ValueError(
+            f"tokens: expected ids in [0, {v - 1}] (the vocabulary of logits), got values in "
+            f"[{int(tokens.min())}, {int(tokens.max())}]"
+        )
 
 
 class _TokenLogprob(torch.autograd.Function):
@@ -97,15 +117,26 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Log-prob of ``tokens`` under ``softmax(logits / temperature)``, chunked, differentiable.
 
-    bf16/fp16 logits are accepted; arithmetic is float32 one chunk at a time.
+    bf16/fp16 logits are accepted; arithmetic is float32 one chunk at a time. A position whose
+    logits hold NaN or +inf gets a NaN log-prob (that position only; the loss path masks and
+    counts it). Empty inputs (B = 0 or T = 0) give an empty result.
+
+    Args:
+        logits: unnormalised scores.
+        tokens: ids in ``[0, V)``.
+        temperature: finite, > 0.
+        chunk_size: rows (of B·T) per chunk, a positive int (default: ~8 MiB per chunk).
+        validate: check that every id is inside the vocabulary (one host synchronisation);
+            ``False`` skips it for speed.
 
     Shapes:
         logits: ``[B, T, V]``; tokens: ``[B, T]`` -> ``[B, T]`` float32.
     """
-    _check(logits, tokens, temperature)
+    _check(logits, tokens, temperature, chunk_size, validate=validate)
     v = logits.shape[-1]
     logits2d = logits.reshape(-1, v)
     rows = chunk_size or default_chunk_rows(logits2d)
@@ -119,14 +150,18 @@ def token_logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""``(logp, entropy)``: `token_logprobs` plus the entropy
     \(H_t = \operatorname{logsumexp}(z) - \sum_v \pi_t(v) z_v\) (no gradient through the entropy).
 
+    Arguments and checks as in `token_logprobs`.
+
     Shapes:
         logits: ``[B, T, V]``; tokens: ``[B, T]`` -> two ``[B, T]`` float32.
     """
-    logp = token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size)
+    logp = token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size,
+                          validate=validate)
     v = logits.shape[-1]
     logits2d = logits.detach().reshape(-1, v)
     ent = torch.empty(logits2d.shape[0], dtype=torch.float32, device=logits.device)
@@ -145,12 +180,9 @@ def topk_logprobs(
     Shapes:
         logits: ``[B, T, V]`` -> values ``[B, T, k]`` float32, indices ``[B, T, k]`` int64.
     """
-    check_float_tensor("logits", logits)
+    _check_logits(logits, temperature, chunk_size)
     v = logits.shape[-1]
-    if not isinstance(k, int) or not 1 <= k <= v:
-        raise ValueError(f"k: expected an int in [1, {v}], got {k!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    check_int("k", k, low=1, high=v)
     logits2d = logits.detach().reshape(-1, v)
     vals = torch.empty(logits2d.shape[0], k, dtype=torch.float32, device=logits.device)
     idx = torch.empty(logits2d.shape[0], k, dtype=torch.long, device=logits.device)
@@ -166,10 +198,16 @@ def truncate_logits(z: torch.Tensor, top_k: int | None, top_p: float | None) -> 
     """Set logits outside the top-k / top-p support to -inf (HF / vLLM order: k then p).
 
     ``z`` is already divided by the temperature. The most likely token is always kept.
+    ``top_k`` is None or an int >= 1, ``top_p`` None or a number in (0, 1] (checked on the
+    Python values only: no host synchronisation, this runs at every decode step).
 
     Shapes:
         z: ``[N, V]`` -> ``[N, V]`` (same dtype).
     """
+    check_int("top_k", top_k, low=1, allow_none=True)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p: expected a number in (0, 1] or None, got {top_p!r}")
     if top_k is not None and top_k < z.shape[-1]:
         kth = z.topk(top_k, dim=-1).values[:, -1:]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -193,6 +231,7 @@ def truncated_token_logprobs(
     top_p: float | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     r"""Log-probs renormalised over the support a top-k / top-p sampler keeps.
 
@@ -205,11 +244,11 @@ def truncated_token_logprobs(
     Shapes:
         logits: ``[B, T, V]``; tokens: ``[B, T]`` -> ``[B, T]`` float32.
     """
-    _check(logits, tokens, temperature)
+    _check(logits, tokens, temperature, chunk_size, validate=validate)
     v = logits.shape[-1]
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k: expected a positive int or None, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
+    check_int("top_k", top_k, low=1, allow_none=True)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
         raise ValueError(f"top_p: expected a number in (0, 1] or None, got {top_p!r}")
     logits2d = logits.detach().reshape(-1, v)
     tok = tokens.reshape(-1, 1).long()

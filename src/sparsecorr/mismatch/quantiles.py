@@ -17,17 +17,22 @@ from collections.abc import Sequence
 
 import torch
 
-from .._checks import check_float_tensor, check_mask
+from .._checks import (
+    check_dim,
+    check_float_tensor,
+    check_int,
+    check_int_tensor,
+    check_levels,
+    check_mask,
+)
 
 __all__ = ["binned_quantile", "masked_quantile"]
 
 
 def _as_q(q: float | Sequence[float] | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, bool]:
-    scalar = isinstance(q, (int, float))
-    qt = torch.as_tensor([q] if scalar else q, dtype=torch.float64, device=device).reshape(-1)
-    if qt.numel() == 0 or not torch.all((qt >= 0) & (qt <= 1)):
-        raise ValueError(f"q: expected quantile level(s) in [0, 1], got {q!r}")
-    return qt, scalar
+    levels = check_levels("q", q)
+    scalar = not isinstance(q, (Sequence, torch.Tensor))
+    return torch.tensor(levels, dtype=torch.float64, device=device), scalar
 
 
 def _interpolate(sorted_x: torch.Tensor, n: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -82,10 +87,12 @@ def masked_quantile(
         x: values.
         mask: bool, True = the entry counts.
         q: a level in [0, 1] or a sequence of levels.
-        dim: ``None`` over all entries, or the dimension to reduce.
+        dim: ``None`` over all entries, or the dimension to reduce (in ``[-x.dim(), x.dim())``;
+            an out-of-range dim is refused).
 
     Returns:
-        float32; NaN where no entry is valid. A trailing ``[Q]`` axis when ``q`` is a sequence.
+        float32; NaN where no entry is valid (all masked, all non-finite, or an empty input).
+        A trailing ``[Q]`` axis when ``q`` is a sequence.
 
     Shapes:
         x, mask: ``[...]`` -> ``[]`` / ``[Q]`` (``dim=None``), else ``x.shape`` without ``dim``
@@ -93,7 +100,10 @@ def masked_quantile(
     """
     check_float_tensor("x", x)
     check_mask(mask, x)
+    d = check_dim("dim", dim, max(x.dim(), 1), allow_none=True)
     qt, scalar = _as_q(q, x.device)
+    if d is not None and x.dim() == 0:
+        d = None  # a 0-d input reduces to itself
     xf = x.float()
     valid = mask & torch.isfinite(xf)
     if dim is None and xf.device.type == "cpu" and qt.numel() <= 4:
@@ -103,10 +113,12 @@ def masked_quantile(
         rows, vrows = xf.reshape(1, -1), valid.reshape(1, -1)
         out_shape: tuple[int, ...] = ()
     else:
-        d = dim % x.dim()
+        out_shape = tuple(s for i, s in enumerate(x.shape) if i != d)
+        if x.numel() == 0:  # nothing to reduce: NaN for every output position
+            res = torch.full((*out_shape, qt.numel()), float("nan"), device=x.device)
+            return res[..., 0] if scalar else res
         rows = xf.movedim(d, -1).reshape(-1, x.shape[d])
         vrows = valid.movedim(d, -1).reshape(-1, x.shape[d])
-        out_shape = tuple(s for i, s in enumerate(x.shape) if i != d)
     filled = torch.where(vrows, rows, float("inf"))
     sorted_x = filled.sort(dim=1).values
     res = _interpolate(sorted_x, vrows.sum(1), qt).reshape(*out_shape, qt.numel())
@@ -187,31 +199,32 @@ def binned_quantile(
         mask: bool, True = the token counts.
         q: a level or a sequence of levels (Sparrow: 0.05).
         bin_size: tokens per bin (Sparrow: 2,000).
-        offset: ``[B]`` integer position of each row's first token (default 0).
-        n_bins: number of bins to report (default: up to the last occupied bin; passing it
-            avoids one host synchronisation). Tokens beyond the last bin are dropped.
+        offset: ``[B]`` integer position of each row's first token, >= 0 (default 0).
+        n_bins: number of bins to report, an int >= 0 (default: up to the last occupied bin;
+            passing it avoids one host synchronisation). Tokens beyond the last bin are dropped.
 
     Returns:
         ``(values, counts)``: values ``[n_bins]`` (``[n_bins, Q]`` for a sequence of levels,
-        NaN for empty bins) and token counts ``[n_bins]`` (int64).
+        NaN for empty bins) and token counts ``[n_bins]`` (int64). An empty input (B = 0 or
+        T = 0) or an all-masked one gives NaN values with zero counts for the ``n_bins`` asked
+        for (no bins when ``n_bins`` is None).
 
     Shapes:
         x, mask: ``[B, T]``; offset: ``[B]``.
     """
     check_float_tensor("x", x, ndim=2)
     check_mask(mask, x)
-    if not isinstance(bin_size, int) or bin_size < 1:
-        raise ValueError(f"bin_size: expected a positive int, got {bin_size!r}")
+    check_int("bin_size", bin_size, low=1)
+    check_int("n_bins", n_bins, low=0, allow_none=True)
     b, t = x.shape
     if offset is None:
         offset = torch.zeros(b, dtype=torch.long, device=x.device)
-    if not isinstance(offset, torch.Tensor) or offset.shape != (b,) or offset.is_floating_point():
-        got = tuple(offset.shape) if isinstance(offset, torch.Tensor) else type(offset).__name__
-        raise ValueError(f"offset: expected an integer tensor of shape ({b},), got {got}")
+    check_int_tensor("offset", offset, shape=(b,), nonnegative=True)
     qt, scalar = _as_q(q, x.device)
     xf = x.float()
     valid = mask & torch.isfinite(xf)
-    pos_dtype = torch.int32 if int(offset.max()) + t < 2**31 - 1 else torch.long
+    max_off = int(offset.max()) if b else 0
+    pos_dtype = torch.int32 if max_off + t < 2**31 - 1 else torch.long
     pos = offset.to(pos_dtype)[:, None] + torch.arange(t, device=x.device, dtype=pos_dtype)[None, :]
     bins = torch.div(pos, bin_size, rounding_mode="floor")
     if n_bins is None:

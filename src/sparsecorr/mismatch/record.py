@@ -27,8 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,41 +72,48 @@ class Mismatch:
     acceptance: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     logp: torch.Tensor | None = None
+    #: counts computed on first use, shared with the copies ``with_context`` makes
+    cache: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def shape(self) -> torch.Size:
         return self.log_ratio.shape
 
-    @cached_property
+    def _cached(self, key: str, compute) -> torch.Tensor:
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
+
+    @property
     def tokens(self) -> torch.Tensor:
         """0-d float32: number of valid tokens."""
-        return count(self.valid)
+        return self._cached("tokens", lambda: count(self.valid))
 
-    @cached_property
+    @property
     def input_tokens(self) -> torch.Tensor:
         """0-d float32: number of masked-in tokens."""
-        return count(self.mask)
+        return self._cached("input_tokens", lambda: count(self.mask))
 
-    @cached_property
+    @property
     def nonfinite(self) -> torch.Tensor:
         """0-d float32: masked-in tokens whose log-ratio was NaN or ±inf."""
-        return self.input_tokens - self.tokens
+        return self._cached("nonfinite", lambda: self.input_tokens - self.tokens)
 
-    @cached_property
+    @property
     def valid_rows(self) -> torch.Tensor:
         """``[B]`` bool: rows with at least one valid token."""
-        return self.valid.any(dim=-1)
+        return self._cached("valid_rows", lambda: self.valid.any(dim=-1))
 
-    @cached_property
+    @property
     def input_rows(self) -> torch.Tensor:
         """``[B]`` bool: rows with at least one masked-in token."""
-        return self.mask.any(dim=-1)
+        return self._cached("input_rows", lambda: self.mask.any(dim=-1))
 
     def with_context(
         self, *, advantages: torch.Tensor | None = None, logp: torch.Tensor | None = None
     ) -> Mismatch:
         """A copy (no tensor copied) carrying ``advantages`` / detached ``logp`` for corrections
-        that read them (OPSM). Cached counts are recomputed lazily on the copy."""
+        that read them (OPSM); it shares the cached counts with this record."""
         if advantages is not None:
             _check_advantages(advantages, self.log_ratio)
         if logp is not None:
@@ -175,7 +181,7 @@ def measure(
         raw = old_logp.detach().float() - rollout_logp.detach().float()
         # |x| < inf is False for NaN and ±inf: isfinite in two kernels (torch's takes four)
         valid = torch.lt(raw.abs(), float("inf")).logical_and_(mask)
-        lr = raw.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).masked_fill_(~valid, 0.0)
+        lr = torch.where(valid, raw, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
                     acceptance=acceptance, advantages=advantages,
                     logp=None if logp is None else logp.detach())

@@ -11,8 +11,13 @@ steps, micro-batches or ranks combine by summing counts (`QuantileSketch.merge`,
 the same interpolation between the *centres* of the buckets holding \(x_{(k)}\) and
 \(x_{(k+1)}\), so its answer lies in \([x_{(k)} - w/2,\; x_{(k+1)} + w/2]\); when both order
 statistics share a bucket (the common case for large \(n\)), it is within \(w/2\) of the exact
-quantile. Values outside ``[lo, hi]`` are clamped into the end buckets (counted in
-``n_clamped``). The default 2,048 buckets on [0, 1] give \(w/2 \approx 2.4 \times 10^{-4}\).
+quantile. Values outside ``[lo, hi]`` (however large, e.g. ``1e30``) are clamped into the end
+buckets and counted in ``n_clamped``; masked-in entries that are NaN or ±inf are skipped and
+counted in ``n_nonfinite``. The default 2,048 buckets on [0, 1] give
+\(w/2 \approx 2.4 \times 10^{-4}\).
+
+**Memory.** The counts are float64, ``n_buckets`` (× ``n_bins``) of them; a sketch is refused
+above ``MAX_CELLS`` = 2^27 cells (1 GiB) before anything is allocated.
 """
 
 from __future__ import annotations
@@ -21,10 +26,41 @@ from collections.abc import Sequence
 
 import torch
 
-from .._checks import check_float_tensor, check_mask
+from .._checks import (
+    check_float_tensor,
+    check_int,
+    check_int_tensor,
+    check_levels,
+    check_mask,
+    check_number,
+)
 from .._dist import all_reduce_sum
 
-__all__ = ["BinnedQuantileSketch", "QuantileSketch"]
+__all__ = ["MAX_CELLS", "BinnedQuantileSketch", "QuantileSketch"]
+
+#: largest number of float64 count cells a sketch may allocate (2^27 cells = 1 GiB)
+MAX_CELLS = 2**27
+
+
+def _check_cells(n_bins: int, n_buckets: int) -> None:
+    """Refuse a sketch too large to allocate, before allocating it."""
+    if n_bins * n_buckets > MAX_CELLS:
+        raise ValueError(
+            f"n_bins, n_buckets: expected n_bins * n_buckets <= {MAX_CELLS:,} float64 cells (1 GiB), "
+            f"got {n_bins:,} * {n_buckets:,} = {n_bins * n_buckets:,} "
+            f"({n_bins * n_buckets * 8 / 2**30:.1f} GiB)"
+        )
+
+
+def _scalar(v: object) -> object:
+    """A one-element tensor or numpy value (from a checkpoint) as a Python number."""
+    return v.item() if hasattr(v, "item") and getattr(v, "ndim", 0) == 0 else v
+
+
+def _levels(q: float | Sequence[float], device: torch.device) -> tuple[torch.Tensor, bool]:
+    levels = check_levels("q", q)
+    scalar = not isinstance(q, (Sequence, torch.Tensor))
+    return torch.tensor(levels, dtype=torch.float64, device=device), scalar
 
 
 def _quantiles_from_counts(
@@ -57,23 +93,29 @@ class QuantileSketch:
         device: where the counts live.
 
     Example:
+        >>> import torch
         >>> s = QuantileSketch(0.0, 1.0)
-        >>> s.update(acceptance, mask)           # any number of times
-        >>> s.all_reduce(group)                  # optional: combine ranks
-        >>> s.quantile(0.05)
+        >>> acceptance = torch.linspace(0.0, 1.0, 101)[None]
+        >>> _ = s.update(acceptance, acceptance > 0.5)   # any number of times
+        >>> _ = s.all_reduce(None)                       # a process group combines ranks
+        >>> round(float(s.quantile(0.5)), 3)  # the values 0.51 ... 1.0: median 0.755
+        0.755
     """
 
     def __init__(
         self, lo: float = 0.0, hi: float = 1.0, *, n_buckets: int = 2048,
         device: torch.device | str | None = None,
     ) -> None:
+        check_number("lo", lo)
+        check_number("hi", hi)
         if not (float(lo) < float(hi)):
             raise ValueError(f"lo, hi: expected lo < hi, got lo={lo!r}, hi={hi!r}")
-        if not isinstance(n_buckets, int) or n_buckets < 1:
-            raise ValueError(f"n_buckets: expected a positive int, got {n_buckets!r}")
+        check_int("n_buckets", n_buckets, low=1)
+        _check_cells(1, n_buckets)
         self.lo, self.hi, self.n_buckets = float(lo), float(hi), n_buckets
         self.counts = torch.zeros(n_buckets, dtype=torch.float64, device=device)
         self.n_clamped = torch.zeros((), dtype=torch.float64, device=device)
+        self.n_nonfinite = torch.zeros((), dtype=torch.float64, device=device)
 
     @property
     def width(self) -> float:
@@ -89,14 +131,25 @@ class QuantileSketch:
         return self.counts.sum()
 
     def _bucket(self, x: torch.Tensor) -> torch.Tensor:
-        idx = ((x.double() - self.lo) / self.width).floor().long()
-        return idx.clamp(0, self.n_buckets - 1)
+        # clamp in float64 *before* the integer cast: 1e30 would overflow int64 (to the bottom)
+        idx = ((x.double() - self.lo) / self.width).floor().clamp(0, self.n_buckets - 1)
+        return idx.long()
+
+    def _valid(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Masked-in finite entries; masked-in non-finite ones are counted in ``n_nonfinite``."""
+        fin = torch.isfinite(x)
+        inside = torch.ones_like(fin) if mask is None else check_mask(mask, x)
+        self.n_nonfinite += (inside & ~fin).sum().to(self.n_nonfinite)
+        return inside & fin
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> QuantileSketch:
-        """Add the valid (masked-in, finite) entries of ``x``. Shapes: ``x``, ``mask``: any, equal."""
+        """Add the valid (masked-in, finite) entries of ``x``; values outside ``[lo, hi]`` go to
+        the end buckets (``n_clamped``), non-finite ones are skipped (``n_nonfinite``).
+
+        Shapes: ``x``, ``mask``: any, equal (empty is fine: nothing is added).
+        """
         check_float_tensor("x", x)
-        valid = torch.isfinite(x) if mask is None else check_mask(mask, x) & torch.isfinite(x)
-        v = x[valid]
+        v = x[self._valid(x, mask)]
         self.n_clamped += ((v < self.lo) | (v > self.hi)).sum()
         self.counts += torch.bincount(self._bucket(v), minlength=self.n_buckets).to(self.counts)
         return self
@@ -115,39 +168,61 @@ class QuantileSketch:
         self._check_compatible(other)
         self.counts += other.counts.to(self.counts)
         self.n_clamped += other.n_clamped.to(self.n_clamped)
+        self.n_nonfinite += other.n_nonfinite.to(self.n_nonfinite)
         return self
 
     def all_reduce(self, group: object | None = None) -> QuantileSketch:
         """Sum counts over the ranks of ``group`` (in place; no-op without a process group)."""
         self.counts = all_reduce_sum(self.counts, group)
         self.n_clamped = all_reduce_sum(self.n_clamped, group)
+        self.n_nonfinite = all_reduce_sum(self.n_nonfinite, group)
         return self
 
     def quantile(self, q: float | Sequence[float]) -> torch.Tensor:
         """Quantile(s) of everything added so far (NaN when empty); float32 ``[]`` or ``[Q]``."""
-        scalar = isinstance(q, (int, float))
-        qt = torch.as_tensor([q] if scalar else q, dtype=torch.float64, device=self.counts.device)
-        if not torch.all((qt >= 0) & (qt <= 1)):
-            raise ValueError(f"q: expected level(s) in [0, 1], got {q!r}")
+        qt, scalar = _levels(q, self.counts.device)
         out = _quantiles_from_counts(self.counts[None], self.lo, self.hi, qt)[0]
         return out[0] if scalar else out
 
     def reset(self) -> None:
         self.counts.zero_()
         self.n_clamped.zero_()
+        self.n_nonfinite.zero_()
 
     def state_dict(self) -> dict:
         """Plain tensors and numbers (for checkpoints; safetensors/JSON friendly)."""
         return {"lo": self.lo, "hi": self.hi, "n_buckets": self.n_buckets,
-                "counts": self.counts.clone(), "n_clamped": self.n_clamped.clone()}
+                "counts": self.counts.clone(), "n_clamped": self.n_clamped.clone(),
+                "n_nonfinite": self.n_nonfinite.clone()}
+
+    def _load_counts(self, state: dict) -> None:
+        """Counts from a state dict, checked (shape, finite, >= 0); errors name the field."""
+        try:
+            counts = torch.as_tensor(state["counts"], dtype=torch.float64)
+            n_clamped = torch.as_tensor(state.get("n_clamped", 0.0), dtype=torch.float64)
+            n_nonfinite = torch.as_tensor(state.get("n_nonfinite", 0.0), dtype=torch.float64)
+        except KeyError as exc:
+            raise ValueError(f"{exc.args[0]}: missing from the sketch state") from None
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"counts: expected numbers ({exc})") from None
+        if counts.shape != self.counts.shape:
+            raise ValueError(f"counts: expected shape {tuple(self.counts.shape)}, got {tuple(counts.shape)}")
+        for name, t in (("counts", counts), ("n_clamped", n_clamped), ("n_nonfinite", n_nonfinite)):
+            if t.numel() and (not bool(torch.isfinite(t).all()) or bool((t < 0).any())):
+                raise ValueError(f"{name}: expected finite counts >= 0")
+        self.counts = counts.clone().to(self.counts.device)
+        self.n_clamped = n_clamped.reshape(()).clone()
+        self.n_nonfinite = n_nonfinite.reshape(()).clone()
 
     @classmethod
     def from_state_dict(cls, state: dict) -> QuantileSketch:
-        s = cls(state["lo"], state["hi"], n_buckets=int(state["n_buckets"]))
-        counts = torch.as_tensor(state["counts"], dtype=torch.float64)
-        if counts.shape != (s.n_buckets,):
-            raise ValueError(f"counts: expected shape ({s.n_buckets},), got {tuple(counts.shape)}")
-        s.counts, s.n_clamped = counts.clone(), torch.as_tensor(state["n_clamped"], dtype=torch.float64)
+        if not isinstance(state, dict):
+            raise ValueError(f"state: expected a dict, got {type(state).__name__}")
+        try:
+            s = cls(_scalar(state["lo"]), _scalar(state["hi"]), n_buckets=_scalar(state["n_buckets"]))
+        except KeyError as exc:
+            raise ValueError(f"{exc.args[0]}: missing from the sketch state") from None
+        s._load_counts(state)
         return s
 
     def __repr__(self) -> str:
@@ -169,20 +244,29 @@ class BinnedQuantileSketch(QuantileSketch):
         self, lo: float = 0.0, hi: float = 1.0, *, bin_size: int = 2000, n_bins: int = 32,
         n_buckets: int = 1024, device: torch.device | str | None = None,
     ) -> None:
+        check_int("bin_size", bin_size, low=1)
+        check_int("n_bins", n_bins, low=1)
+        check_int("n_buckets", n_buckets, low=1)
+        _check_cells(n_bins, n_buckets)  # before any allocation
         super().__init__(lo, hi, n_buckets=n_buckets, device=device)
-        if not isinstance(bin_size, int) or bin_size < 1 or not isinstance(n_bins, int) or n_bins < 1:
-            raise ValueError(f"bin_size, n_bins: expected positive ints, got {bin_size!r}, {n_bins!r}")
         self.bin_size, self.n_bins = bin_size, n_bins
         self.counts = torch.zeros(n_bins, n_buckets, dtype=torch.float64, device=device)
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                offset: torch.Tensor | None = None) -> BinnedQuantileSketch:
+        """Add per-token values ``[B, T]`` at positions ``offset[b] + t``.
+
+        ``offset`` is an integer tensor ``[B]`` of values >= 0 (a negative position is refused
+        with a ``ValueError``, checked before anything is added). Empty inputs add nothing.
+        """
         check_float_tensor("x", x, ndim=2)
-        valid = torch.isfinite(x) if mask is None else check_mask(mask, x) & torch.isfinite(x)
         b, t = x.shape
+        if offset is not None:
+            check_int_tensor("offset", offset, shape=(b,), nonnegative=True)
+        if mask is not None:
+            check_mask(mask, x)
+        valid = self._valid(x, mask)
         off = torch.zeros(b, dtype=torch.long, device=x.device) if offset is None else offset.long()
-        if off.shape != (b,):
-            raise ValueError(f"offset: expected shape ({b},), got {tuple(off.shape)}")
         bins = ((off[:, None] + torch.arange(t, device=x.device)) // self.bin_size).clamp(
             max=self.n_bins - 1)
         v = x[valid]
@@ -205,10 +289,8 @@ class BinnedQuantileSketch(QuantileSketch):
         return self.counts.sum(-1)
 
     def quantile(self, q: float | Sequence[float]) -> torch.Tensor:
-        scalar = isinstance(q, (int, float))
-        qt = torch.as_tensor([q] if scalar else q, dtype=torch.float64, device=self.counts.device)
-        if not torch.all((qt >= 0) & (qt <= 1)):
-            raise ValueError(f"q: expected level(s) in [0, 1], got {q!r}")
+        """Quantile(s) per bin (NaN for an empty bin): ``[n_bins]`` or ``[n_bins, Q]``."""
+        qt, scalar = _levels(q, self.counts.device)
         out = _quantiles_from_counts(self.counts, self.lo, self.hi, qt)
         return out[:, 0] if scalar else out
 
@@ -217,10 +299,12 @@ class BinnedQuantileSketch(QuantileSketch):
 
     @classmethod
     def from_state_dict(cls, state: dict) -> BinnedQuantileSketch:
-        s = cls(state["lo"], state["hi"], bin_size=int(state["bin_size"]),
-                n_bins=int(state["n_bins"]), n_buckets=int(state["n_buckets"]))
-        counts = torch.as_tensor(state["counts"], dtype=torch.float64)
-        if counts.shape != s.counts.shape:
-            raise ValueError(f"counts: expected shape {tuple(s.counts.shape)}, got {tuple(counts.shape)}")
-        s.counts, s.n_clamped = counts.clone(), torch.as_tensor(state["n_clamped"], dtype=torch.float64)
+        if not isinstance(state, dict):
+            raise ValueError(f"state: expected a dict, got {type(state).__name__}")
+        try:
+            s = cls(_scalar(state["lo"]), _scalar(state["hi"]), bin_size=_scalar(state["bin_size"]),
+                    n_bins=_scalar(state["n_bins"]), n_buckets=_scalar(state["n_buckets"]))
+        except KeyError as exc:
+            raise ValueError(f"{exc.args[0]}: missing from the sketch state") from None
+        s._load_counts(state)
         return s

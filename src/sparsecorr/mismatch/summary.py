@@ -24,6 +24,7 @@ A rank with an empty shard takes part in every collective, so ranks stay in step
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -32,10 +33,20 @@ from .._dist import all_gather_varlen, all_reduce_max, all_reduce_sum
 from .quantiles import masked_quantile
 from .record import Mismatch, measure
 
-__all__ = ["LEVELS", "mismatch_metrics", "quantile_name"]
+__all__ = ["LEVELS", "as_metrics", "mismatch_metrics", "quantile_name"]
 
 LEVELS = ("default", "full")
 DEFAULT_QUANTILES = (0.01, 0.05, 0.5)
+
+
+def as_metrics(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached 0-d float32 tensors (a value already in that form is returned as is: no op)."""
+    out = {}
+    for k, v in values.items():
+        if v.requires_grad or v.dtype != torch.float32 or v.dim() != 0:
+            v = v.detach().float().reshape(())
+        out[k] = v
+    return out
 
 
 def quantile_name(q: float) -> str:
@@ -107,42 +118,61 @@ def mismatch_metrics(
                 out[f"mismatch/log_ratio_{quantile_name(q)}"] = v
         if mm.acceptance is not None:
             out.update(_acceptance(mm, qs, group))
-    return {k: v.detach().float().reshape(()) for k, v in out.items()}
+    return as_metrics(out)
+
+
+@lru_cache(maxsize=8)
+def _combination(full: bool, device: torch.device) -> torch.Tensor:
+    """Rows turning the stacked sums into the numerators of the means (one matmul)."""
+    # sums: [tokens, nonfinite, sum lr, sum e, (sum |lr|, sum lr^2, sum e^2)]
+    rows = [[0, 0, 1, 0], [0, 0, -1, 0], [0, 0, -1, 1]]
+    if full:
+        rows = [[*r, 0, 0, 0] for r in rows] + [[0] * 4 + [1, 0, 0], [0] * 4 + [0, 0.5, 0],
+                                                [0] * 4 + [0, 0, 1]]
+    return torch.tensor(rows, dtype=torch.float32, device=device)
 
 
 def _moments(mm: Mismatch, full: bool, group) -> dict[str, torch.Tensor]:
-    """Counts, means and extremes: one batched all-reduce for the sums, one for the extremes."""
+    """Counts, means and extremes: one stack of sums (one all-reduce), one matmul for the
+    means, one stack of extremes (one all-reduce)."""
     lr = mm.log_ratio
     e = torch.expm1(lr)  # 0 outside the valid tokens
     sums = [mm.tokens, mm.nonfinite, lr.sum(), e.sum()]
     lo, hi = _extremes(lr)
-    ext = [-lo, hi]
+    ext = [lo.neg(), hi]
     if full:
         flat_lr, flat_e = lr.reshape(-1), e.reshape(-1)
         sums += [lr.abs().sum(), torch.dot(flat_lr, flat_lr), torch.dot(flat_e, flat_e)]
         mean = sums[2] / mm.tokens.clamp(min=1)  # lies inside [min, max] of the valid values
         vlo, vhi = _extremes(torch.where(mm.valid, lr, mean))
-        ext += [-vlo, vhi]
-    s = all_reduce_sum(torch.stack(sums), group)
-    # a shard without valid tokens must not move the extremes of the others
-    x = all_reduce_max(torch.where(mm.tokens > 0, torch.stack(ext), float("-inf")), group)
-    n, n1 = s[0], s[0].clamp(min=1)
+        ext += [vlo.neg(), vhi]
+    s = torch.stack(sums)
+    x = torch.stack(ext)
+    if group is not None:
+        s = all_reduce_sum(s, group)
+        # a shard without valid tokens must not move the extremes of the others
+        x = all_reduce_max(torch.where(mm.tokens > 0, x, float("-inf")), group)
+    parts = s.unbind()
+    n = parts[0]
+    means = (_combination(full, s.device) @ s / n.clamp(min=1)).unbind()
+    # single process: log-ratios are 0 off the valid tokens, so max(-min, max) is exact
+    abs_max = x[:2].amax() if group is None else torch.where(n > 0, x[:2].amax(), 0.0)
     out = {
         "mismatch/tokens": n,
-        "mismatch/nonfinite_count": s[1],
-        "mismatch/log_ratio_mean": s[2] / n1,
-        "mismatch/log_ratio_abs_max": torch.where(n > 0, torch.maximum(x[0], x[1]), 0.0),
-        "mismatch/kl_k1_mean": -s[2] / n1,
-        "mismatch/kl_k3_mean": ((s[3] - s[2]) / n1).clamp(min=0.0),
+        "mismatch/nonfinite_count": parts[1],
+        "mismatch/log_ratio_mean": means[0],
+        "mismatch/log_ratio_abs_max": abs_max,
+        "mismatch/kl_k1_mean": means[1],
+        "mismatch/kl_k3_mean": means[2].clamp(min=0.0),
     }
     if full:
         nan = torch.full((), float("nan"), device=n.device)
         out.update({
-            "mismatch/log_ratio_abs_mean": s[4] / n1,
+            "mismatch/log_ratio_abs_mean": means[3],
             "mismatch/ratio_min": torch.where(n > 0, (-x[2]).exp(), nan),
             "mismatch/ratio_max": torch.where(n > 0, x[3].exp(), nan),
-            "mismatch/kl_k2_mean": 0.5 * s[5] / n1,
-            "mismatch/chi2_mean": s[6] / n1,
+            "mismatch/kl_k2_mean": means[4],
+            "mismatch/chi2_mean": means[5],
         })
     return out
 

@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from .._checks import check_choice
+from .._checks import check_choice, check_int, check_number
+from .._checks import field as json_field
 from .._io import atomic_write_bytes
 
 __all__ = ["POOLINGS", "QualityHead"]
@@ -51,9 +52,13 @@ class QualityHead(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        if not isinstance(in_dim, int) or in_dim < 1:
-            raise ValueError(f"in_dim: expected a positive int, got {in_dim!r}")
+        check_int("in_dim", in_dim, low=1)
         check_choice("pooling", pooling, POOLINGS)
+        if isinstance(hidden_sizes, (str, bytes)) or not isinstance(hidden_sizes, Sequence):
+            raise ValueError(f"hidden_sizes: expected a sequence of positive ints, got {hidden_sizes!r}")
+        for i, h in enumerate(hidden_sizes):
+            check_int(f"hidden_sizes[{i}]", h, low=1)
+        check_number("dropout", dropout, low=0, high=1, high_open=True)
         self.config = {
             "in_dim": in_dim,
             "hidden_sizes": [int(h) for h in hidden_sizes],
@@ -101,22 +106,42 @@ class QualityHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> tuple[QualityHead, dict]:
-        """Load a head written by `save`; returns ``(head, extra)``."""
+        """Load a head written by `save`; returns ``(head, extra)``.
+
+        Every failure (missing, truncated or foreign file, a hand-edited config, weights of the
+        wrong shape or non-finite) is a ``ValueError`` naming the file and the field.
+        """
         from safetensors import safe_open
 
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"path: expected a safetensors file written by QualityHead.save, got {path}")
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            state = load_file(str(path))
+        except Exception as exc:  # SafetensorError, OSError: a truncated or foreign file
+            raise ValueError(f"path: {path} is not a readable safetensors file ({exc})") from None
         if "config" not in meta:
             raise ValueError(f"path: {path} has no 'config' metadata (not a QualityHead file)")
-        config = json.loads(meta["config"])
-        head = cls(
-            config["in_dim"],
-            hidden_sizes=config["hidden_sizes"],
-            pooling=config["pooling"],
-            dropout=config["dropout"],
-        )
-        head.load_state_dict(load_file(str(path)))
-        return head, json.loads(meta.get("extra", "{}"))
+        try:
+            config, extra = json.loads(meta["config"]), json.loads(meta.get("extra", "{}"))
+            head = cls(
+                json_field(config, "in_dim", where="config", kind="int"),
+                hidden_sizes=json_field(config, "hidden_sizes", where="config", kind="list"),
+                pooling=json_field(config, "pooling", where="config", kind="str"),
+                dropout=json_field(config, "dropout", where="config", kind="number"),
+            )
+            if not isinstance(extra, dict):
+                raise ValueError(f"extra: expected an object, got {extra!r}")
+        except (json.JSONDecodeError, ValueError) as exc:
+            raise ValueError(f"path: {path}: {exc}") from None
+        try:
+            head.load_state_dict(state)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()
+            raise ValueError(f"path: {path}: weights do not match the config ({first[-1].strip()})") from None
+        bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+        if bad:
+            raise ValueError(f"path: {path}: non-finite weights in {bad}")
+        return head, extra

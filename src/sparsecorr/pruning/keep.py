@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .._checks import check_choice, check_probability
+from .._checks import check_choice, check_float_tensor, check_probability
 
 __all__ = ["MAX_EXHAUSTIVE", "RULES", "balanced_keep", "expected_kept_variance"]
 
@@ -40,8 +40,11 @@ def expected_kept_variance(p: torch.Tensor) -> torch.Tensor:
     """Expected empirical variance of Bernoulli rewards with success probabilities ``p``.
 
     Shapes:
-        p: ``[..., K]`` -> ``[...]``.
+        p: ``[..., K]`` (K >= 1, floating point) -> ``[...]`` (NaN where a ``p`` is NaN).
     """
+    check_float_tensor("p", p)
+    if p.dim() < 1 or p.shape[-1] < 1:
+        raise ValueError(f"p: expected [..., K] with K >= 1, got shape {tuple(p.shape)}")
     k = p.shape[-1]
     pbar = p.mean(-1)
     return pbar * (1 - pbar) - (p * (1 - p)).sum(-1) / (k * k)
@@ -101,7 +104,7 @@ def balanced_keep(
         generator: RNG for ``rule="random"``.
 
     Returns:
-        keep: ``[B]`` bool with exactly K True per group.
+        keep: ``[B]`` bool with exactly K True per group (empty for B = 0).
 
     Shapes:
         p_success: ``[B]`` with ``B = n_groups · group_size`` -> keep ``[B]``.
@@ -112,13 +115,22 @@ def balanced_keep(
     if not isinstance(p_success, torch.Tensor) or p_success.dim() != 1:
         shape = tuple(p_success.shape) if isinstance(p_success, torch.Tensor) else type(p_success)
         raise ValueError(f"p_success: expected a 1-D tensor [B], got {shape}")
-    if not isinstance(group_size, int) or group_size < 1 or p_success.numel() % group_size:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1 \
+            or p_success.numel() % group_size:
         raise ValueError(
             f"group_size: expected a positive int dividing B={p_success.numel()}, got {group_size!r}"
         )
+    if not p_success.is_floating_point():
+        raise ValueError(f"p_success: expected a floating-point tensor, got dtype {p_success.dtype}")
     p = p_success.detach().float()
-    if not torch.isfinite(p).all() or (p < 0).any() or (p > 1).any():
-        raise ValueError("p_success: expected finite probabilities in [0, 1]")
+    if p.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool, device=p.device)
+    bad = ~torch.isfinite(p) | (p < 0) | (p > 1)
+    if bad.any():
+        raise ValueError(
+            f"p_success: expected finite probabilities in [0, 1], got {int(bad.sum())} entries "
+            f"outside (first: {float(p[bad][0])})"
+        )
     g = group_size
     k = max(1, round(keep_ratio * g))
     groups = p.reshape(-1, g)

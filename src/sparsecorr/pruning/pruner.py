@@ -3,13 +3,13 @@
 ARRoL (Xu et al., ACL 2026, arXiv 2603.24840): every rollout is generated to a detection
 length (512 tokens in the paper), the quality head scores the partial rollouts, a fraction
 ``keep_ratio`` (0.5) of each group survives, chosen to be correctness-balanced
-(`balanced_keep`), and only the survivors are decoded further; the
+(`sparsecorr.pruning.balanced_keep`), and only the survivors are decoded further; the
 pruned rollouts stop there and their KV cache is freed.
 
 The decoding engine drives the protocol: it reads ``detect_len``, ``layer`` and ``window``,
 collects the hidden states of layer ``layer`` for the last ``window`` generated positions of
 every row still active at ``detect_len`` tokens, and calls `Pruner.decide` once.
-Pruned rollouts are reported by the `RolloutBatch`
+Pruned rollouts are reported by the `sparsecorr.decoding.RolloutBatch`
 (``pruned``, ``pruned_at``) and left out of the loss and of the group statistics.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import check_choice, check_probability
+from .._checks import check_choice, check_int, check_probability
 from .head import QualityHead
 from .keep import RULES, balanced_keep
 from .trainer import QualityHeadTrainer
@@ -46,7 +46,11 @@ class Pruner:
 
     Attributes:
         last_p_success: predicted P(correct) ``[B]`` of the last decision (for weighted voting).
-        history: one dict per decision (kept fraction, mean prediction, whether it was active).
+        history: one dict per decision (kept fraction, mean prediction, whether it was active,
+            ``nonfinite``: rows whose hidden states gave a non-finite prediction).
+
+    A row whose hidden states hold NaN/inf gets the uninformative prediction 0.5 for the
+    decision (counted in ``history[-1]["nonfinite"]``) instead of stopping the rollout batch.
     """
 
     head: QualityHead | QualityHeadTrainer
@@ -66,9 +70,9 @@ class Pruner:
                 f"head: expected a QualityHead or QualityHeadTrainer, got {type(self.head).__name__}"
             )
         for name in ("detect_len", "window"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+            check_int(name, getattr(self, name), low=1)
+        check_int("layer", self.layer)
+        check_int("seed", self.seed)
         check_probability("keep_ratio", self.keep_ratio, open_low=True)
         check_probability("target", self.target)
         check_choice("rule", self.rule, RULES)
@@ -97,9 +101,16 @@ class Pruner:
                 "group_size: expected the number of rollouts per prompt (pass "
                 "generate(..., group_size=G)), got None"
             )
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise ValueError(f"hidden: expected a [B, W, H] tensor, got {shape}")
         p = self.predict(hidden).detach().float().cpu()
+        bad = ~torch.isfinite(p)
+        p = torch.where(bad, 0.5, p)
         self.last_p_success = p
-        if not self.active:
+        if p.numel() == 0:
+            keep = torch.zeros(0, dtype=torch.bool)
+        elif not self.active:
             keep = torch.ones_like(p, dtype=torch.bool)
         else:
             keep = balanced_keep(
@@ -108,8 +119,9 @@ class Pruner:
             )
         self.history.append({
             "active": self.active,
-            "kept_frac": float(keep.float().mean()),
-            "p_mean": float(p.mean()),
-            "p_kept_mean": float(p[keep].mean()),
+            "kept_frac": float(keep.float().mean()) if keep.numel() else float("nan"),
+            "p_mean": float(p.mean()) if p.numel() else float("nan"),
+            "p_kept_mean": float(p[keep].mean()) if keep.any() else float("nan"),
+            "nonfinite": int(bad.sum()),
         })
         return keep.to(hidden.device)

@@ -11,7 +11,13 @@ states were recorded. `QualityHeadTrainer.update` then
 
 **Cold start.** ARRoL starts pruning after ~20 steps. `QualityHeadTrainer.ready` is
 True once ``min_updates`` updates were made *and* the held-out AUC over the recent window is
-at least ``min_auc``; a `Pruner` keeps every rollout until then.
+at least ``min_auc``; a `sparsecorr.pruning.Pruner` keeps every rollout until then.
+
+**Non-finite inputs.** A row whose pooled hidden state or reward is NaN/inf (or whose logit
+under the current head is non-finite, e.g. from a value near the float32 limit) is dropped
+before it reaches the buffer and counted (``quality_head/dropped``, `n_dropped`); an
+optimizer step whose loss or gradient is non-finite is skipped (`n_skipped_steps`). The
+head's weights therefore never become non-finite, and one bad hidden state cannot poison it.
 
 **Calibration: temperature scaling** (Guo et al., 2017). The predicted probability is
 \(\sigma(z / T)\) with a single temperature \(T > 0\) fitted by minimising the negative
@@ -22,12 +28,13 @@ ranking (the AUC) and is stable on a few hundred examples.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_positive, check_probability
+from .._checks import check_int, check_number, check_positive, check_probability
 from .._modes import eval_mode
 from .head import QualityHead
 
@@ -37,11 +44,14 @@ __all__ = ["QualityHeadTrainer", "binary_auc", "fit_temperature"]
 def binary_auc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """ROC AUC by the Mann–Whitney statistic (ties get average ranks); NaN without both classes.
 
+    Pairs whose score or label is NaN/inf are left out (so the AUC is that of the valid pairs;
+    NaN when none of one class is left). Labels are read as ``label > 0.5``.
+
     Shapes:
-        scores, labels: ``[N]`` -> 0-d float32.
+        scores, labels: ``[N]`` (any shape with N elements) -> 0-d float32.
     """
-    s = scores.detach().float().reshape(-1)
-    y = labels.detach().reshape(-1).bool()
+    s, y = _valid_pairs(scores, labels, "scores")
+    y = y > 0.5
     n_pos, n_neg = int(y.sum()), int((~y).sum())
     if n_pos == 0 or n_neg == 0:
         return torch.tensor(float("nan"))
@@ -59,10 +69,28 @@ def binary_auc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return u / (n_pos * n_neg)
 
 
+def _valid_pairs(x: torch.Tensor, labels: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flattened float32 ``(x, labels)`` with the non-finite pairs removed; shapes checked."""
+    for arg, t in ((name, x), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
+    if x.numel() != labels.numel():
+        raise ValueError(f"labels: expected {x.numel()} entries (one per {name[:-1]}), got {labels.numel()}")
+    xs, ys = x.detach().float().reshape(-1), labels.detach().float().reshape(-1)
+    ok = torch.isfinite(xs) & torch.isfinite(ys)
+    return xs[ok], ys[ok]
+
+
 def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, *, iters: int = 100) -> float:
-    """Temperature \\(T\\) minimising the NLL of ``sigmoid(logits / T)`` (clamped to [0.05, 20])."""
-    z = logits.detach().float().reshape(-1)
-    y = labels.detach().float().reshape(-1)
+    """Temperature \\(T\\) minimising the NLL of ``sigmoid(logits / T)`` (clamped to [0.05, 20]).
+
+    Non-finite pairs are left out; with no pair left, or a non-finite fit, ``T = 1``.
+    """
+    check_int("iters", iters, low=1)
+    z, y = _valid_pairs(logits, labels, "logits")
+    y = (y > 0.5).float()
+    if z.numel() == 0:
+        return 1.0
     log_t = torch.zeros((), requires_grad=True)
     opt = torch.optim.LBFGS([log_t], lr=0.5, max_iter=iters, line_search_fn="strong_wolfe")
 
@@ -73,7 +101,8 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, *, iters: int = 
         return loss
 
     opt.step(closure)
-    return float(log_t.detach().exp().clamp(0.05, 20.0))
+    t = float(log_t.detach().exp().clamp(0.05, 20.0))
+    return t if math.isfinite(t) else 1.0
 
 
 class QualityHeadTrainer:
@@ -108,12 +137,16 @@ class QualityHeadTrainer:
         calibrate: bool = True,
         seed: int = 0,
     ) -> None:
+        if not isinstance(head, QualityHead):
+            raise ValueError(f"head: expected a QualityHead, got {type(head).__name__}")
         check_positive("lr", lr)
+        check_number("weight_decay", weight_decay, low=0)
         check_probability("min_auc", min_auc)
         for name, v in (("buffer_size", buffer_size), ("batch_size", batch_size),
                         ("steps_per_update", steps_per_update), ("holdout", holdout)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+            check_int(name, v, low=1)
+        check_int("min_updates", min_updates, low=0)
+        check_int("seed", seed)
         self.head = head
         self.opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
         self.batch_size, self.steps_per_update = batch_size, steps_per_update
@@ -124,6 +157,10 @@ class QualityHeadTrainer:
         self._recent_labels: deque[float] = deque(maxlen=holdout)
         self._gen = torch.Generator().manual_seed(seed)
         self.n_updates = 0
+        #: rows dropped so far because their hidden state, reward or logit was not finite
+        self.n_dropped = 0
+        #: optimizer steps skipped because the loss or a gradient was not finite
+        self.n_skipped_steps = 0
         self.temperature = 1.0
 
     @property
@@ -153,24 +190,37 @@ class QualityHeadTrainer:
             hidden: ``[B, W, H]`` or ``[B, H]`` hidden states recorded at detection time.
             rewards: ``[B]`` final rewards; > 0.5 counts as correct (0/1 rewards of RLVR).
 
+        Rows with a non-finite hidden state, reward or held-out logit are dropped and counted
+        (module docstring); an update left with no row trains on the buffer as it is and does
+        not count towards the cold start.
+
         Returns:
             metrics: ``quality_head/loss``, ``quality_head/auc_recent``,
-            ``quality_head/temperature``, ``quality_head/ready``, ``quality_head/buffer``.
+            ``quality_head/temperature``, ``quality_head/ready``, ``quality_head/buffer``,
+            ``quality_head/dropped`` (rows dropped by this update).
         """
         features = self.head.pool(hidden).detach().cpu()
         if not isinstance(rewards, torch.Tensor) or rewards.shape != (features.shape[0],):
             got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards)
             raise ValueError(f"rewards: expected shape ({features.shape[0]},), got {got}")
-        labels = (rewards.detach().float().cpu() > 0.5).float()
+        if rewards.dtype == torch.bool or rewards.is_complex():
+            raise ValueError(f"rewards: expected real numbers, got dtype {rewards.dtype}")
+        r = rewards.detach().float().cpu()
         self.head.eval()
         with torch.no_grad():  # prequential: score before training on it
             held_out = self.head.logits_from_features(features)
+        keep = torch.isfinite(features).all(-1) & torch.isfinite(r) & torch.isfinite(held_out)
+        dropped = int((~keep).sum())
+        self.n_dropped += dropped
+        features, held_out = features[keep], held_out[keep]
+        labels = (r[keep] > 0.5).float()
         self._recent_logits.extend(held_out.tolist())
         self._recent_labels.extend(labels.tolist())
         self._features.extend(features.unbind(0))
         self._labels.extend(labels.tolist())
-        loss = self._train_steps()
-        self.n_updates += 1
+        loss = self._train_steps() if self._labels else torch.zeros(())
+        if labels.numel():
+            self.n_updates += 1
         if self.calibrate and len(set(self._recent_labels)) == 2:
             self.temperature = fit_temperature(torch.tensor(list(self._recent_logits)),
                                                torch.tensor(list(self._recent_labels)))
@@ -180,6 +230,7 @@ class QualityHeadTrainer:
             "quality_head/temperature": torch.tensor(self.temperature),
             "quality_head/ready": torch.tensor(float(self.ready)),
             "quality_head/buffer": torch.tensor(float(len(self._labels))),
+            "quality_head/dropped": torch.tensor(float(dropped)),
         }
 
     def _train_steps(self) -> torch.Tensor:
@@ -194,6 +245,11 @@ class QualityHeadTrainer:
             loss = F.binary_cross_entropy_with_logits(logits, y_all[idx])
             self.opt.zero_grad()
             loss.backward()
+            grads = [p.grad for p in self.head.parameters() if p.grad is not None]
+            if not torch.isfinite(loss) or not all(bool(torch.isfinite(g).all()) for g in grads):
+                self.n_skipped_steps += 1  # never let a non-finite step reach the weights
+                self.opt.zero_grad()
+                continue
             self.opt.step()
         self.head.eval()
         return loss.detach()

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .._checks import check_int, check_number, check_probability
+from .._checks import field as json_field
 from ..mismatch import BinnedQuantileSketch
 from .schedule import BudgetSchedule
 
@@ -45,8 +47,19 @@ class TailController:
     log: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.candidates:
-            raise ValueError("candidates: expected at least one budget")
+        if not isinstance(self.schedule, BudgetSchedule):
+            raise ValueError(f"schedule: expected a BudgetSchedule, got {type(self.schedule).__name__}")
+        if not isinstance(self.candidates, (list, tuple)) or not self.candidates:
+            raise ValueError(f"candidates: expected a non-empty list of positive ints, got {self.candidates!r}")
+        for i, c in enumerate(self.candidates):
+            check_int(f"candidates[{i}]", c, low=1)
+        check_probability("tau", self.tau)
+        check_probability("q", self.q)
+        check_number("margin", self.margin, low=0)
+        check_int("patience", self.patience, low=1)
+        check_int("min_tokens", self.min_tokens, low=0)
+        if not isinstance(self.log, list):
+            raise ValueError(f"log: expected a list, got {type(self.log).__name__}")
         self.candidates = sorted(set(self.candidates))
         n = len(self.schedule.budgets)
         self._sketch = BinnedQuantileSketch(0.0, 1.0, bin_size=self.schedule.bin_size, n_bins=n,
@@ -113,8 +126,26 @@ class TailController:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> TailController:
-        ctl = cls(BudgetSchedule.from_dict(state["schedule"]), list(state["candidates"]),
-                  tau=state["tau"], q=state["q"], margin=state["margin"],
-                  patience=state["patience"], min_tokens=state["min_tokens"], log=list(state["log"]))
-        ctl._comfort, ctl.steps = list(state["comfort"]), int(state["steps"])
+        """Rebuild from `state_dict` (e.g. a hand-edited JSON checkpoint): every field is
+        checked and a bad one is a ``ValueError`` naming it (``state.comfort: ...``)."""
+        w = "state"
+        try:
+            schedule = BudgetSchedule.from_dict(json_field(state, "schedule", where=w, kind="dict"))
+        except ValueError as exc:
+            raise ValueError(f"state.schedule.{exc}") from None
+        ctl = cls(schedule, list(json_field(state, "candidates", where=w, kind="list")),
+                  tau=json_field(state, "tau", where=w, kind="number"),
+                  q=json_field(state, "q", where=w, kind="number"),
+                  margin=json_field(state, "margin", where=w, kind="number"),
+                  patience=json_field(state, "patience", where=w, kind="int"),
+                  min_tokens=json_field(state, "min_tokens", where=w, kind="int"),
+                  log=list(json_field(state, "log", where=w, kind="list", default=[])))
+        comfort = json_field(state, "comfort", where=w, kind="list")
+        n = len(schedule.budgets)
+        if len(comfort) != n or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                        for c in comfort):
+            raise ValueError(f"state.comfort: expected {n} ints >= 0 (one per bin), got {comfort!r}")
+        steps = json_field(state, "steps", where=w, kind="int")
+        check_int("state.steps", steps, low=0)
+        ctl._comfort, ctl.steps = list(comfort), steps
         return ctl

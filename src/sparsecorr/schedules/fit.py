@@ -3,12 +3,14 @@ r"""``fit_schedule``: the cheapest budget per length bin that keeps the tail sta
 Solved exactly by dynamic programming over (bin, budget option, number of distinct budgets so
 far): with ``monotone=True`` a bin's budget is never smaller than the previous bin's (dense is
 the largest option), and ``max_steps`` bounds the number of segments of the step function.
-The cost of a budget in a bin is the cost model's decode cost of the bin's tokens when a
-`CostModel` is given, else the KV read per token, ``min(budget, context)`` at the
-middle of the bin (dense: the context). A bin where no
-candidate reaches tau — including an empty bin after the first calibrated one — falls back to
-dense, and a warning names it. Bins *before* the first calibrated token hold only prompt
-positions (nothing is decoded there) and accept any budget.
+The cost of a budget in a bin is the cost model's decode cost of the decode steps whose total
+context (prompt ``l_in`` + generated) falls in the bin when a `CostModel` is given (the same
+quantity `CostModel.cost` sums for a schedule), else the KV read per token,
+``min(budget, context)`` at the middle of the bin (dense: the context). A bin where no
+candidate reaches tau falls back to dense, and so does an empty bin after the first calibrated
+one; one warning names each kind ("no budget reaches tau" vs "no calibrated tokens"). Bins
+*before* the first calibrated token hold only prompt positions (nothing is decoded there) and
+accept any budget.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import warnings
 
 import numpy as np
 
-from .cost import CostModel
+from .._checks import check_int, check_probability
+from .cost import DEFAULT_L_IN, DEFAULT_N, CostModel
 from .schedule import BudgetSchedule
 from .table import CalibrationTable
 
@@ -28,9 +31,23 @@ DENSE = None
 
 
 def schedule_cost_matrix(budgets: list[int], n_bins: int, bin_size: int,
-                         cost_model: CostModel | None, *, n: int = 1, l_in: int = 0) -> np.ndarray:
+                         cost_model: CostModel | None, *, n: int = DEFAULT_N,
+                         l_in: int = DEFAULT_L_IN) -> np.ndarray:
     """``[n_bins, n_budgets + 1]`` cost of decoding each bin's tokens with each option (last =
-    dense)."""
+    dense).
+
+    With a cost model, bin ``i`` holds the decode steps ``t`` whose total context ``l_in + t``
+    lies in ``[i * bin_size, (i + 1) * bin_size)``; a bin inside the prompt costs nothing (and
+    ties break toward the smaller budget).
+    """
+    if not isinstance(budgets, (list, tuple)) or not budgets:
+        raise ValueError(f"budgets: expected a non-empty list of positive ints, got {budgets!r}")
+    for j, b in enumerate(budgets):
+        check_int(f"budgets[{j}]", b, low=1)
+    check_int("n_bins", n_bins, low=1)
+    check_int("bin_size", bin_size, low=1)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model: expected a CostModel or None, got {type(cost_model).__name__}")
     out = np.zeros((n_bins, len(budgets) + 1))
     for i in range(n_bins):
         if cost_model is None:  # KV read per token at the middle of the bin
@@ -39,12 +56,16 @@ def schedule_cost_matrix(budgets: list[int], n_bins: int, bin_size: int,
             out[i, :-1] = np.minimum(budgets, mid) + 1e-9 * np.asarray(budgets, dtype=float)
             out[i, -1] = mid + 1e-9 * (max(budgets) + 1)
             continue
-        t0 = i * bin_size
-        dense = cost_model.dense_steps(n=n, l_in=l_in, l_out=t0 + bin_size)[t0:]
+        t0, t1 = max(0, i * bin_size - l_in), max(0, (i + 1) * bin_size - l_in)
+        if t1 == t0:  # the whole bin is prompt: nothing decoded, prefer the smaller budget
+            out[i] = 1e-9 * np.arange(1, len(budgets) + 2)
+            continue
+        dense = cost_model.dense_steps(n=n, l_in=l_in, l_out=t1)[t0:]
+        ctx = l_in + np.arange(t0, t1)
         out[i, -1] = dense.sum()
         for j, b in enumerate(budgets):
-            sparse = cost_model.budget_steps(n=n, l_in=l_in, l_out=t0 + bin_size, budget=b)[t0:]
-            out[i, j] = np.minimum(sparse, dense).sum()
+            sparse = cost_model.budget_steps(n=n, l_in=l_in, l_out=t1, budget=b)[t0:]
+            out[i, j] = np.where(b >= ctx, dense, np.minimum(sparse, dense)).sum()
     return out
 
 
@@ -62,6 +83,17 @@ def solve_schedule(feasible: np.ndarray, cost: np.ndarray, *, monotone: bool = T
     Returns:
         the chosen option index per bin.
     """
+    feasible, cost = np.asarray(feasible), np.asarray(cost)
+    if feasible.ndim != 2 or feasible.dtype != bool or 0 in feasible.shape:
+        raise ValueError(f"feasible: expected a non-empty 2-D bool array, got shape {feasible.shape} "
+                         f"dtype {feasible.dtype}")
+    if cost.shape != feasible.shape:
+        raise ValueError(f"cost: expected the shape of feasible {feasible.shape}, got {cost.shape}")
+    if not np.issubdtype(cost.dtype, np.number) or not np.isfinite(cost).all():
+        raise ValueError("cost: expected finite numbers")
+    if not feasible[:, -1].all():
+        raise ValueError("feasible: expected the last option (dense) to be feasible in every bin")
+    check_int("max_steps", max_steps, low=1, allow_none=True)
     n_bins, k1 = feasible.shape
     steps_cap = n_bins if max_steps is None else max_steps
     inf = math.inf
@@ -94,7 +126,7 @@ def solve_schedule(feasible: np.ndarray, cost: np.ndarray, *, monotone: bool = T
 
 def fit_schedule(table: CalibrationTable, *, tau: float = 0.86, cost_model: CostModel | None = None,
                  monotone: bool = True, max_steps: int | None = None, min_tokens: int = 1,
-                 n: int = 1, l_in: int = 0) -> BudgetSchedule:
+                 n: int = DEFAULT_N, l_in: int = DEFAULT_L_IN) -> BudgetSchedule:
     """Cheapest feasible schedule (exact DP; see the module docstring).
 
     Args:
@@ -104,15 +136,26 @@ def fit_schedule(table: CalibrationTable, *, tau: float = 0.86, cost_model: Cost
         monotone: budgets never shrink as context grows.
         max_steps: at most this many distinct segments (None = unbounded).
         min_tokens: a cell with fewer tokens does not count as evidence (treated as infeasible).
-        n: samples per prompt for the cost model.
-        l_in: prompt length for the cost model.
+        n: samples per prompt for the cost model (default ``DEFAULT_N`` = 8, as in
+            `CostModel.speedup` and the CLI).
+        l_in: prompt length for the cost model (default ``DEFAULT_L_IN`` = 512).
 
     Returns:
-        the schedule; ``meta`` holds tau, the dense-fallback bins and, with a cost model, the
-        predicted speedup over the calibrated bins.
+        the schedule; ``meta`` holds tau, the dense-fallback bins (``dense_fallback_bins``,
+        of which ``uncalibrated_bins`` had no calibrated tokens) and, with a cost model, the
+        predicted speedup for ``n_bins * bin_size`` generated tokens (``predicted_speedup``,
+        with its inputs in ``speedup_inputs``): the number `sparsecorr cost` prints in its last
+        row for the same model, ``n`` and ``l_in``.
     """
-    if max_steps is not None and max_steps < 1:
-        raise ValueError(f"max_steps: expected None or a positive int, got {max_steps!r}")
+    if not isinstance(table, CalibrationTable):
+        raise ValueError(f"table: expected a CalibrationTable, got {type(table).__name__}")
+    check_probability("tau", tau)
+    check_int("max_steps", max_steps, low=1, allow_none=True)
+    check_int("min_tokens", min_tokens, low=0)
+    check_int("n", n, low=1)
+    check_int("l_in", l_in, low=0)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model: expected a CostModel or None, got {type(cost_model).__name__}")
     vals, counts = table.values.numpy(), table.counts.numpy()
     feasible = (counts.T >= min_tokens) & (np.nan_to_num(vals.T, nan=-1.0) >= tau)  # [bins, budgets]
     n_bins, k = feasible.shape[0], len(table.budgets)
@@ -126,14 +169,23 @@ def fit_schedule(table: CalibrationTable, *, tau: float = 0.86, cost_model: Cost
     choice = solve_schedule(feasible, cost, monotone=monotone, max_steps=max_steps)
     budgets = [None if c == k else table.budgets[c] for c in choice]
     fallback = [i for i in range(n_bins) if not feasible[i, :k].any()]  # leading bins excluded
-    if fallback:
-        ranges = ", ".join(f"{i * table.bin_size}-{(i + 1) * table.bin_size}" for i in fallback)
-        warnings.warn(f"fit_schedule: no budget reaches tau={tau} in bins {fallback} "
-                      f"(context {ranges}); they fall back to dense", stacklevel=2)
-    meta = {"tau": tau, "q": table.q, "dense_fallback_bins": fallback, "monotone": monotone,
-            "max_steps": max_steps}
+    calibrated = (counts >= min_tokens).any(axis=0)  # [bins]: some budget has evidence
+    empty = [i for i in fallback if not calibrated[i]]
+    below = [i for i in fallback if calibrated[i]]
+    for bins, what in ((below, f"no budget reaches tau={tau}"), (empty, "no calibrated tokens")):
+        if bins:
+            warnings.warn(f"fit_schedule: {what} in bins {bins} (context "
+                          f"{_ranges(bins, table.bin_size)}); they fall back to dense", stacklevel=2)
+    meta = {"tau": tau, "q": table.q, "dense_fallback_bins": fallback, "uncalibrated_bins": empty,
+            "monotone": monotone, "max_steps": max_steps}
     schedule = BudgetSchedule(bin_size=table.bin_size, budgets=tuple(budgets), meta=meta)
     if cost_model is not None:
         l_out = n_bins * table.bin_size
         meta["predicted_speedup"] = cost_model.speedup(schedule, n=n, l_in=l_in, l_out=l_out)
+        meta["speedup_inputs"] = {"n": n, "l_in": l_in, "l_out": l_out,
+                                  "intensity": cost_model.intensity}
     return schedule
+
+
+def _ranges(bins: list[int], bin_size: int) -> str:
+    return ", ".join(f"{i * bin_size}-{(i + 1) * bin_size}" for i in bins)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._checks import check_int
+from .._checks import field as json_field
 from .._io import atomic_write_json
 
 __all__ = ["SPARROW_PRESETS", "BudgetSchedule"]
@@ -49,28 +51,38 @@ class BudgetSchedule:
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bin_size, int) or self.bin_size < 1:
-            raise ValueError(f"bin_size: expected a positive int, got {self.bin_size!r}")
+        check_int("bin_size", self.bin_size, low=1)
+        if isinstance(self.budgets, (str, bytes)) or not hasattr(self.budgets, "__iter__"):
+            raise ValueError(f"budgets: expected a sequence of positive ints or None, got {self.budgets!r}")
+        object.__setattr__(self, "budgets", tuple(self.budgets))
         if not self.budgets:
             raise ValueError("budgets: expected at least one bin, got none")
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"meta: expected a dict, got {type(self.meta).__name__}")
         for i, b in enumerate(self.budgets):
             if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
                 raise ValueError(f"budgets[{i}]: expected a positive int or null, got {b!r}")
-        object.__setattr__(self, "budgets", tuple(self.budgets))
 
     def budget_at(self, context_len: int) -> int | None:
-        """The budget in force at ``context_len`` total tokens (None = dense)."""
+        """The budget in force at ``context_len`` total tokens (None = dense; negative lengths
+        read as 0)."""
         return self.budgets[min(max(int(context_len), 0) // self.bin_size, len(self.budgets) - 1)]
 
     # -- pages (Sparrow tables) ---------------------------------------------------------------
     def to_pages(self, page_size: int = 16, extra_pages: int = 3) -> list[int | None]:
         """Pages per bin, inverting ``budget = (pages + extra_pages) * page_size``."""
+        check_int("page_size", page_size, low=1)
+        check_int("extra_pages", extra_pages, low=0)
         return [None if b is None else b // page_size - extra_pages for b in self.budgets]
 
     @classmethod
     def from_pages(cls, pages: list[int | None], *, bin_size: int = 2000, page_size: int = 16,
                    extra_pages: int = 3, meta: dict | None = None) -> BudgetSchedule:
         """From Sparrow's page counts: ``budget = (pages + extra_pages) * page_size``."""
+        check_int("page_size", page_size, low=1)
+        check_int("extra_pages", extra_pages, low=0)
+        for i, p in enumerate(pages):
+            check_int(f"pages[{i}]", p, low=0, allow_none=True)
         budgets = [None if p is None else (int(p) + extra_pages) * page_size for p in pages]
         return cls(bin_size=bin_size, budgets=tuple(budgets), meta=dict(meta or {}))
 
@@ -95,15 +107,10 @@ class BudgetSchedule:
             raise ValueError(f"schedule: expected a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
             raise ValueError(f"format: expected {FORMAT!r}, got {data.get('format')!r}")
-        for key in ("bin_size", "budgets"):
-            if key not in data:
-                raise ValueError(f"{key}: missing from the schedule")
-        if not isinstance(data["budgets"], list):
-            raise ValueError(f"budgets: expected a list, got {type(data['budgets']).__name__}")
-        meta = data.get("meta", {})
-        if not isinstance(meta, dict):
-            raise ValueError(f"meta: expected an object, got {type(meta).__name__}")
-        return cls(bin_size=data["bin_size"], budgets=tuple(data["budgets"]), meta=meta)
+        bin_size = json_field(data, "bin_size", where="", kind="int")
+        budgets = json_field(data, "budgets", where="", kind="list")
+        meta = json_field(data, "meta", where="", kind="dict", default={})
+        return cls(bin_size=bin_size, budgets=tuple(budgets), meta=meta)
 
     def save(self, path: str | Path) -> Path:
         return atomic_write_json(path, self.to_dict())
@@ -115,9 +122,12 @@ class BudgetSchedule:
             raise ValueError(f"path: no schedule file at {path}")
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"path: {path} is not valid JSON ({exc})") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (in the schedule file {path})") from None
 
     def table(self) -> str:
         """A printable table: context range -> budget."""

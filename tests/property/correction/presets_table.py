@@ -37,6 +37,15 @@ class Row:
     needs_acceptance: bool = False
     needs_advantages: bool = False
 
+    @property
+    def preset(self) -> str:
+        """The ``sparsecorr.correction.PRESETS`` name this row exercises."""
+        for prefix, name in (("trl_", "trl"), ("openrlhf_", "openrlhf"), ("mis", "mis"),
+                             ("seq_is", "sequence_is")):
+            if self.name.startswith(prefix):
+                return name
+        return self.name
+
 
 PRESETS = [
     Row("tis", lambda: tis(cap=2.0), lambda: tis(cap=1.5), 2.0),
@@ -48,6 +57,7 @@ PRESETS = [
     Row("geo_rs", lambda: geo_rs(0.5, 2.0), lambda: geo_rs(0.9, 1.1), 1.0),
     Row("veto", lambda: veto(1e-4), lambda: veto(1e-2), 1.0),
     Row("seq_is_geo", lambda: sequence_is("mean", cap=2.0), lambda: sequence_is("mean", cap=2.0), 2.0),
+    Row("seq_is_prod", lambda: sequence_is("sum", cap=3.0), lambda: sequence_is("sum", cap=3.0), 3.0),
     Row("divergence", lambda: divergence(0.5), lambda: divergence(0.05), 1.0),
     Row("sparse_rl", lambda: sparse_rl(), lambda: sparse_rl(low=0.7, high=1.3, veto_threshold=1e-2), None),
     Row("sparse_tail", lambda: sparse_tail(tau=0.5), lambda: sparse_tail(tau=0.9), 2.0,

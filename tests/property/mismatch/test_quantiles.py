@@ -130,3 +130,30 @@ def test_binned_sketch_matches_binned_quantile_within_bound(xm, q):
             assert lo - sk.error_bound - 1e-6 <= float(got[k]) <= hi + sk.error_bound + 1e-6
         else:
             assert torch.isnan(got[k])
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False, width=64), min_size=1, max_size=20),
+       st.sampled_from([(0.0, 1.0), (-20.0, 20.0)]), st.integers(1, 64))
+def test_sketch_bucket_of_any_finite_value_is_its_clamped_floor(values, bounds, n_buckets):
+    """Issue #14: update(1e30) landed in the bottom bucket (int64 overflow of the index)."""
+    lo, hi = bounds
+    s = QuantileSketch(lo, hi, n_buckets=n_buckets).update(torch.tensor(values, dtype=torch.float64))
+    width = (hi - lo) / n_buckets
+    want = np.zeros(n_buckets)
+    for v in values:
+        want[int(min(max(np.floor((v - lo) / width), 0), n_buckets - 1))] += 1
+    assert s.counts.tolist() == want.tolist()
+    assert float(s.n_clamped) == sum(v < lo or v > hi for v in values)
+
+
+@given(values_and_mask(), st.integers(0, 3), st.integers(1, 4))
+def test_binned_sketch_counts_equal_binned_quantile_counts(xm, n_bins_extra, bin_size):
+    """The sketch and the exact path agree on how many tokens each bin holds (empty inputs too)."""
+    x, mask = xm
+    b, t = x.shape
+    x = x.sigmoid()
+    offset = torch.randint(0, 5, (b,), generator=torch.Generator().manual_seed(b * t))
+    n_bins = (4 + t) // bin_size + 1 + n_bins_extra
+    _, counts = binned_quantile(x, mask, 0.5, bin_size=bin_size, offset=offset, n_bins=n_bins)
+    sk = BinnedQuantileSketch(0.0, 1.0, bin_size=bin_size, n_bins=n_bins).update(x, mask, offset)
+    assert sk.bin_counts.long().tolist() == counts.tolist()

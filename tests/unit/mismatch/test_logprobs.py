@@ -115,3 +115,26 @@ def test_errors():
         token_logprobs(logits, tokens, temperature=0)
     with pytest.raises(ValueError, match="q_logits"):
         acceptance_rate(logits, logits[:, :2])
+
+
+def test_chunk_size_and_vocabulary_are_checked_before_any_work():
+    """Issue #14: chunk_size <= 0 returned uninitialised memory; an out-of-vocabulary id failed
+    inside torch without naming the argument."""
+    import pytest
+
+    from sparsecorr.mismatch import acceptance_rate, token_logprobs, topk_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits, tokens = torch.randn(2, 5, 7, generator=g), torch.randint(0, 7, (2, 5), generator=g)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=r"^chunk_size: expected an int >= 1 or None"):
+            token_logprobs(logits, tokens, chunk_size=bad)
+        with pytest.raises(ValueError, match=r"^chunk_size"):
+            topk_logprobs(logits, k=2, chunk_size=bad)
+        with pytest.raises(ValueError, match=r"^chunk_size"):
+            acceptance_rate(logits, logits, chunk_size=bad)
+    with pytest.raises(ValueError, match=r"^tokens: expected ids in \[0, 6\].*got values in \[0, 9\]"):
+        token_logprobs(logits, torch.where(tokens == tokens.max(), 9, tokens))
+    ref = token_logprobs(logits, tokens)
+    for chunk in (1, 3, 10):
+        torch.testing.assert_close(token_logprobs(logits, tokens, chunk_size=chunk, validate=False), ref)

@@ -88,3 +88,66 @@ def test_bad_inputs():
     trainer = QualityHeadTrainer(head)
     with pytest.raises(ValueError, match="rewards"):
         trainer.update(torch.zeros(4, 8), torch.zeros(3))
+
+
+def test_one_nan_hidden_state_does_not_poison_the_head_or_generate():
+    """Issue #14: one NaN hidden state made the weights NaN forever, and generate(pruner=...)
+    then crashed. Now the row is dropped and counted; the head keeps learning."""
+    from sparsecorr.decoding import Dense, generate
+    from sparsecorr.pruning import Pruner
+    from tests.models import tiny_model
+
+    gen = torch.Generator().manual_seed(4)
+    dim = 64
+    w = torch.randn(dim, generator=gen)
+    torch.manual_seed(0)
+    trainer = QualityHeadTrainer(QualityHead(dim, hidden_sizes=(16,)), lr=3e-3, min_updates=2, min_auc=0.0)
+    for step in range(6):
+        x = torch.randn(32, dim, generator=gen)
+        y = (x @ w > 0).float()
+        if step == 1:
+            x[3, 5] = float("nan")  # a poisoned hidden state
+            x[4, 0] = float("inf")
+            y[7] = float("nan")  # and a poisoned reward
+        metrics = trainer.update(x, y)
+        if step == 1:
+            assert float(metrics["quality_head/dropped"]) == 3
+        assert all(bool(torch.isfinite(p).all()) for p in trainer.head.parameters())
+    assert trainer.n_dropped == 3 and trainer.n_updates == 6 and trainer.ready
+    x = torch.randn(500, dim, generator=gen)
+    assert float(binary_auc(trainer.predict(x), (x @ w > 0).float())) > 0.75  # still learning
+    # the trained head still prunes inside generate, even when a row's hidden state is NaN
+    model = tiny_model("qwen3", hidden_size=dim)
+    ids = torch.randint(3, 128, (2, 4), generator=gen).repeat_interleave(4, 0)
+    pruner = Pruner(trainer, detect_len=3, keep_ratio=0.5)
+    out = generate(model, ids, policy=Dense(), budget=None, max_new_tokens=6, pruner=pruner,
+                   group_size=4, generator=torch.Generator().manual_seed(0))
+    assert int(out.pruned.sum()) == 4
+    keep = pruner.decide(torch.full((4, 1, dim), float("nan")), group_size=4)
+    assert int(keep.sum()) == 2 and pruner.history[-1]["nonfinite"] == 4
+
+
+def test_load_reports_truncated_and_tampered_files(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    head = QualityHead(8, hidden_sizes=(4,))
+    path = head.save(tmp_path / "head.safetensors")
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"path: .*cut\.safetensors is not a readable safetensors file"):
+        QualityHead.load(tmp_path / "cut.safetensors")
+    state = {k: v.contiguous() for k, v in head.state_dict().items()}
+    for config, match in (({"in_dim": 8, "hidden_sizes": [4], "pooling": "last"}, r"config\.dropout: missing"),
+                          ({"in_dim": "8", "hidden_sizes": [4], "pooling": "last", "dropout": 0.0},
+                           r"config\.in_dim: expected an int"),
+                          ({"in_dim": 8, "hidden_sizes": [5], "pooling": "last", "dropout": 0.0},
+                           "weights do not match the config")):
+        save_file(state, str(tmp_path / "bad.safetensors"), metadata={"config": json.dumps(config)})
+        with pytest.raises(ValueError, match=match):
+            QualityHead.load(tmp_path / "bad.safetensors")
+    state["net.1.weight"][0, 0] = float("nan")
+    save_file(state, str(tmp_path / "nan.safetensors"), metadata={"config": json.dumps(head.config)})
+    with pytest.raises(ValueError, match="non-finite weights"):
+        QualityHead.load(tmp_path / "nan.safetensors")

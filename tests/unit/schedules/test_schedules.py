@@ -153,3 +153,81 @@ def test_prompt_only_leading_bins_do_not_force_dense():
         warnings.simplefilter("error")  # no dense-fallback warning either
         s = fit_schedule(table, tau=0.9)
     assert s.budgets == (8, 8, 8, 8)
+
+
+def test_dp_cost_matrix_is_the_cost_models_sum_for_the_schedule():
+    """Bin i of the DP costs the decode steps whose total context (prompt + generated) falls in
+    bin i: summed over a schedule it is exactly CostModel.cost of that schedule."""
+    from sparsecorr.schedules import schedule_cost_matrix
+
+    cm = CostModel.from_config("qwen3-1.7b")
+    budgets, n_bins, bin_size = [64, 256], 4, 300
+    for l_in in (0, 120, 700):
+        cost = schedule_cost_matrix(budgets, n_bins, bin_size, cm, n=3, l_in=l_in)
+        for choice in itertools.product(range(3), repeat=n_bins):
+            sched = BudgetSchedule(bin_size, tuple(None if c == 2 else budgets[c] for c in choice))
+            total = sum(cost[i, c] for i, c in enumerate(choice))
+            want = cm.cost(n=3, l_in=l_in, l_out=n_bins * bin_size - l_in, budget=sched)
+            assert total == pytest.approx(want, rel=1e-9, abs=1e-3), (l_in, choice)
+
+
+def test_fit_warnings_name_the_reason_and_point_at_the_caller():
+    table = CalibrationTable(budgets=[8, 16], bin_size=10, n_bins=4)
+    for b, level in ((8, 0.5), (16, 0.5)):  # bins 0-1 calibrated but below tau; 2-3 empty
+        table.add(b, torch.full((1, 20), level), torch.ones(1, 20, dtype=torch.bool))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = fit_schedule(table, tau=0.9)
+    messages = [str(w.message) for w in caught]
+    assert messages == [
+        "fit_schedule: no budget reaches tau=0.9 in bins [0, 1] (context 0-10, 10-20); they fall back to dense",
+        "fit_schedule: no calibrated tokens in bins [2, 3] (context 20-30, 30-40); they fall back to dense",
+    ]
+    assert all(w.filename == __file__ for w in caught)  # the user's line, not the library's
+    assert s.meta["dense_fallback_bins"] == [0, 1, 2, 3] and s.meta["uncalibrated_bins"] == [2, 3]
+
+
+def test_loading_a_hand_edited_file_names_the_field_and_the_file(tmp_path):
+    table = _table({8: [0.9, 0.8]})
+    path = table.save(tmp_path / "calibration.json")
+    data = json.loads(path.read_text())
+    for edit, field in ((lambda d: d.pop("n_bins"), "n_bins: missing"),
+                        (lambda d: d.__setitem__("q", 1.5), "q: expected a number in"),
+                        (lambda d: d["cells"]["8"].append([0, 0]), r"cells\.8\[\d+\]: expected"),
+                        (lambda d: d.__setitem__("budgets", [8, "16"]), r"budgets\[1\]: expected")):
+        bad = json.loads(json.dumps(data))
+        edit(bad)
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=field + r".*\(in the calibration table .*bad\.json\)"):
+            CalibrationTable.load(tmp_path / "bad.json")
+    s = BudgetSchedule(bin_size=10, budgets=(8, None)).save(tmp_path / "s.json")
+    bad = json.loads(s.read_text())
+    bad["bin_size"] = "10"
+    s.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"bin_size: expected an int, got '10' \(in the schedule file .*s\.json\)"):
+        BudgetSchedule.load(s)
+
+
+def test_table_size_is_checked_before_allocating():
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"n_bins: .*8 KiB.*10,000,000 bins = 76\.3 GiB"):
+        CalibrationTable(budgets=[8], n_bins=10**7)
+    assert time.perf_counter() - t0 < 1.0
+    CalibrationTable(budgets=list(range(1, 19)), n_bins=20)  # Sparrow's grid is fine
+
+
+def test_cost_model_refuses_negative_sizes_and_shares_the_default_inputs():
+    from sparsecorr.schedules.cost import DEFAULT_L_IN, DEFAULT_N
+
+    with pytest.raises(ValueError, match="kv_dim: expected an int >= 1, got -8"):
+        CostModel(params=1e9, num_layers=2, kv_dim=-8, gqa_ratio=1)
+    cm = CostModel.from_config("qwen3-4b")
+    s = BudgetSchedule.preset("sparrow-qwen3-4b-0.86")
+    assert cm.speedup(s) == cm.speedup(s, n=DEFAULT_N, l_in=DEFAULT_L_IN, l_out=32768)
+    table = _table({512: [0.99] * 4}, bin_size=2000)
+    fitted = fit_schedule(table, tau=0.9, cost_model=cm)
+    assert fitted.meta["speedup_inputs"] == {"n": DEFAULT_N, "l_in": DEFAULT_L_IN, "l_out": 8000,
+                                             "intensity": cm.intensity}
+    assert fitted.meta["predicted_speedup"] == cm.speedup(fitted, l_out=8000)

@@ -1,0 +1,63 @@
+"""The import graph of DESIGN.md, checked on the source: each layer imports only the layers
+below it, nothing in the core imports an integration, and no module imports another layer's
+private (``_name``) helper. The shared internal utilities (``sparsecorr._checks``, ``_io``,
+``_dist``, ``_modes``) are open to every layer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "sparsecorr"
+SHARED = {"_checks", "_io", "_dist", "_modes"}
+
+#: layer -> the layers it may import (besides itself and the shared utilities)
+ALLOWED = {
+    "mismatch": set(),
+    "correction": {"mismatch"},
+    "losses": {"mismatch", "correction", "decoding"},  # DistillSparse's adapter step decodes
+    "decoding": {"mismatch"},
+    "schedules": {"mismatch", "decoding"},
+    "pruning": set(),
+    "commands": {"mismatch", "correction", "losses", "decoding", "schedules", "pruning"},
+}
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """``(absolute sparsecorr module, imported names)`` for every import of the file."""
+    rel = path.relative_to(SRC.parent).with_suffix("").parts
+    package = list(rel[:-1])  # a module and an __init__ both live in their directory
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            out.append((module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, []) for a in node.names)
+    return out
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "sparsecorr" else None
+
+
+FILES = sorted(p for p in SRC.rglob("*.py") if "demo" not in p.parts and p.name != "demo.py")
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(SRC)) for p in FILES])
+def test_layers_import_only_downwards(path: Path) -> None:
+    own = path.relative_to(SRC).parts[0].removesuffix(".py")
+    for module, names in _imports(path):
+        assert not module.startswith(("sparsecorr_trl", "sparsecorr_openrlhf")), (
+            f"{path.name} imports the integration {module}")
+        layer = _layer(module)
+        if layer is None or layer == own or layer in SHARED or own not in ALLOWED:
+            continue
+        assert layer in ALLOWED[own], f"{own} must not import {module} ({path.relative_to(SRC)})"
+        private = [n for n in names if n.startswith("_")]
+        assert not private and not any(p.startswith("_") for p in module.split(".")[2:]), (
+            f"{path.relative_to(SRC)} imports private {private or module} from another layer")
