@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="3 steps of 2 prompts x 4 rollouts per arm instead of 40 steps of 8 x 8 "
                         "(10-12 s on 2 idle cores)")
-    p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    p.add_argument("--out", default="runs/demo", help="output directory")
     return p
 
 
