@@ -1,22 +1,29 @@
-"""``sparsecorr decode``: sparse rollouts from a local model directory and a prompts JSONL."""
+"""``sparsecorr decode``: sparse rollouts from a local model directory and a prompts JSONL.
+
+Every option, the prompts file and the output path are checked before the model is loaded;
+a bad one exits with status 2 and one line naming the option.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
+
+POLICIES = ("dense", "streaming_llm", "snapkv", "rkv", "block_topk")
+BACKENDS = ("auto", "torch", "reference", "flashinfer")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("decode", help="generate sparse rollouts and write a RolloutBatch",
                        description="Generate responses with a sparse KV policy from a local Hugging "
-                                   "Face model directory; write a RolloutBatch (safetensors + JSON).")
+                                   "Face model directory; write a RolloutBatch (one safetensors file).")
     p.add_argument("--model", required=True, help="local model directory (from_pretrained)")
     p.add_argument("--prompts", required=True,
                    help='JSONL, one {"prompt_ids": [...]} or {"prompt": "text"} per line')
-    p.add_argument("--policy", default="rkv",
-                   help="dense | streaming_llm | snapkv | rkv | block_topk (default rkv)")
+    p.add_argument("--policy", default="rkv", help=" | ".join(POLICIES) + " (default rkv)")
     p.add_argument("--budget", type=int, default=512, help="KV budget in tokens (default 512)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--samples-per-prompt", type=int, default=1)
@@ -24,11 +31,77 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="auto", help=" | ".join(BACKENDS) + " (default auto)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill forward")
+    p.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | cuda | cuda:N")
     p.add_argument("--out", required=True, help="output path of the RolloutBatch (.safetensors)")
     return p
 
 
-def _read_prompts(path: Path, tokenizer) -> list[list[int]]:
+def _positive(name: str, value: int | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    if args.policy not in POLICIES:
+        raise ValueError(f"--policy: expected one of {list(POLICIES)}, got {args.policy!r}")
+    if args.backend not in BACKENDS:
+        raise ValueError(f"--backend: expected one of {list(BACKENDS)}, got {args.backend!r}")
+    for name in ("budget", "max_new_tokens", "samples_per_prompt", "prefill_chunk"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    _positive("--top-k", args.top_k, allow_none=True)
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature: expected a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p: expected a number in (0, 1], got {args.top_p}")
+
+
+def _device(args: argparse.Namespace) -> str:
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {args.device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {device} requested but torch.cuda.is_available() is False")
+    if args.backend == "flashinfer":
+        from ..decoding.backends.flashinfer import flashinfer_status
+
+        ok, reason = flashinfer_status()
+        if not ok or dev.type != "cuda":
+            raise ValueError(f"--backend: {reason if not ok else 'flashinfer needs --device cuda'}")
+    return device
+
+
+def _prompt_ids(i: int, row: object, tokenizer, vocab: int | None) -> list[int]:
+    where = f"--prompts: line {i}"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object with 'prompt_ids' or 'prompt', got {json.dumps(row)}")
+    if "prompt_ids" in row:
+        ids = row["prompt_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of ints, got {json.dumps(ids)}")
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ValueError(f"{where}: token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        return ids
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
+            raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+        if tokenizer is None:
+            raise ValueError(f"{where}: has text but the model directory has no tokenizer")
+        return tokenizer(row["prompt"])["input_ids"]
+    raise ValueError(f"{where} needs 'prompt_ids' or 'prompt'")
+
+
+def _read_prompts(path: Path, tokenizer, vocab: int | None = None) -> list[list[int]]:
+    """Prompt token ids, one list per JSONL line; ``vocab`` (if given) bounds the ids. (Also
+    used by ``sparsecorr calibrate``.)"""
     if not path.is_file():
         raise ValueError(f"--prompts: no such file {path}")
     prompts = []
@@ -39,35 +112,46 @@ def _read_prompts(path: Path, tokenizer) -> list[list[int]]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"--prompts: line {i} is not JSON ({exc})") from None
-        if "prompt_ids" in row:
-            prompts.append([int(t) for t in row["prompt_ids"]])
-        elif "prompt" in row:
-            if tokenizer is None:
-                raise ValueError(f"--prompts: line {i} has text but the model directory has no tokenizer")
-            prompts.append(tokenizer(row["prompt"])["input_ids"])
-        else:
-            raise ValueError(f"--prompts: line {i} needs 'prompt_ids' or 'prompt'")
+        prompts.append(_prompt_ids(i, row, tokenizer, vocab))
     if not prompts:
         raise ValueError(f"--prompts: {path} holds no prompt")
     return prompts
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_config(model_dir: Path):
+    from transformers import AutoConfig, AutoTokenizer
 
-    from ..decoding import generate, get_policy
-
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise ValueError(f"--model: expected a local model directory, got {model_dir}")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    model.eval()
+    if not model_dir.is_dir() or not (model_dir / "config.json").is_file():
+        raise ValueError(f"--model: expected a local model directory with a config.json, got {model_dir}")
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as exc:  # a broken config.json: one line, not a traceback
+        raise ValueError(f"--model: cannot read {model_dir / 'config.json'}: {exc}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception:
         tokenizer = None
-    prompts = [p for p in _read_prompts(Path(args.prompts), tokenizer) for _ in range(args.samples_per_prompt)]
+    return config, tokenizer
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._io import check_writable_file
+
+    _check_options(args)
+    device = _device(args)
+    check_writable_file("--out", args.out)
+    model_dir = Path(args.model)
+    config, tokenizer = _load_config(model_dir)
+    prompts = _read_prompts(Path(args.prompts), tokenizer, int(config.vocab_size))
+    prompts = [p for p in prompts for _ in range(args.samples_per_prompt)]
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..decoding import generate, get_policy
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).to(device)
+    model.eval()
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -78,13 +162,15 @@ def run(args: argparse.Namespace) -> int:
     batch = generate(model, ids, mask, policy=policy, budget=None if args.policy == "dense" else args.budget,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, eos_token_id=model.config.eos_token_id,
-                     generator=torch.Generator().manual_seed(args.seed), progress=True)
+                     generator=torch.Generator().manual_seed(args.seed), progress=True, backend=args.backend,
+                     prefill_chunk=args.prefill_chunk)
     elapsed = time.perf_counter() - t0
-    path = batch.save(args.out)
+    path = batch.save(args.out)  # an OSError (disk full) is one line from the CLI, status 1
     n_tok = int(batch.lengths.sum())
     kept = batch.kv_kept[batch.mask]
     print(f"wrote {path} ({len(prompts)} rollouts, {n_tok} tokens)")
-    print(f"throughput: {n_tok / elapsed:.1f} tokens/s ({elapsed:.2f} s, policy {policy!r})")
+    print(f"throughput: {n_tok / elapsed:.1f} tokens/s ({elapsed:.2f} s, policy {policy!r}, "
+          f"backend {batch.meta['backend']})")
     print(f"KV: peak {batch.peak_kv_bytes / 2**20:.2f} MiB, mean attended "
           f"{float(kept.mean()) if kept.numel() else 0.0:.1f} tokens per layer and head")
     return 0

@@ -1,11 +1,13 @@
 r"""The sparse KV cache (a ``transformers.Cache`` subclass) and the attention hook.
 
-The cache stores, per layer, keys and values ``[B, H_kv, S, D]`` together with the true
-position and validity of every slot, so after eviction RoPE stays right (positions are passed
-explicitly) and attention masks are built from positions: a query at position \(p\) may read a
-valid slot at position \(\le p\). The attention function registered with
+The cache writes each forward's K/V into the preallocated [`KVPool`][sparsecorr.decoding.pool.KVPool]
+at the slots the engine planned (``Step``), and the attention function registered with
 ``transformers.AttentionInterface`` under the name ``"sparsecorr"`` reads the active cache from
-a context variable, applies the selection policy (if any) and calls the backend.
+a context variable and attends: every row's valid slots are ``[0, count_b)``, so a query at
+slot \(j\) may read slots \(\le j\) (one ``[B, 1, Q, S]`` mask built once per forward and shared
+by every layer; none at all for a single-token step of equal-length rows). Selection policies
+pick pages from the running page summaries; a paged backend reads single-token steps through
+page tables. Positions are passed explicitly, so RoPE is right after eviction.
 """
 
 from __future__ import annotations
@@ -13,101 +15,136 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from .backends import AttentionBackend
-from .policies import KVPolicy, compress
+from .policies import KVPolicy, compress, page_means, pages_to_mask, select_pages
+from .pool import KVPool
 
-__all__ = ["ATTN_NAME", "SparseKVCache", "active_cache"]
+__all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active_cache"]
 
 ATTN_NAME = "sparsecorr"
 _ACTIVE: contextvars.ContextVar[SparseKVCache | None] = contextvars.ContextVar("sparsecorr_cache", default=None)
 
 
-class SparseKVCache(Cache):
-    """Per-layer K/V with true positions and validity; compressed in place by eviction policies."""
+@dataclass
+class Step:
+    """What one forward writes and reads (planned by the engine on the host).
 
-    def __init__(self, num_layers: int, *, policy: KVPolicy, backend: AttentionBackend) -> None:
+    Shapes:
+        slots, positions ``[B, Q]`` (device): write slot and true position of each token (padding
+        goes to the scratch page); real ``[B]`` (device): real tokens per row; mask
+        ``[B, 1, Q, kv_len]`` or None; query_slots, budgets ``[B, Q]`` (selection only).
+    """
+
+    q_len: int
+    kv_len: int
+    slots: torch.Tensor
+    positions: torch.Tensor
+    real: torch.Tensor
+    mask: torch.Tensor | None
+    counts: torch.Tensor  # [B] device, valid slots before this forward
+    refresh: tuple[int, int] | None = None  # page summaries to rewrite after the write
+    select: bool = False  # selection policy in force (decode phase)
+    query_slots: torch.Tensor | None = None
+    budgets: torch.Tensor | None = None
+    keep_max: int = 0
+    paged: bool = False  # single-token step through the backend's page tables
+
+
+class SparseKVCache(Cache):
+    """Writes into a [`KVPool`][sparsecorr.decoding.pool.KVPool] per the engine's ``Step``."""
+
+    def __init__(self, pool: KVPool, *, policy: KVPolicy, backend: AttentionBackend) -> None:
         super().__init__(layers=[])
-        self.num_layers, self.policy, self.backend = num_layers, policy, backend
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.pos: list[torch.Tensor | None] = [None] * num_layers
-        self.valid: list[torch.Tensor | None] = [None] * num_layers
-        self.queries: list[torch.Tensor | None] = [None] * num_layers
-        self.new_pos: torch.Tensor | None = None  # [B, Q] positions of the tokens of this step
-        self.new_valid: torch.Tensor | None = None  # [B, Q]
-        self.step_budget: torch.Tensor | None = None  # [B] long, -1 = dense
-        self.attended = None  # [B] sum over layers of the mean attended slots
-        self.peak_bytes = 0
+        self.pool, self.policy, self.backend = pool, policy, backend
+        self.num_layers = len(pool.k)
+        self.step: Step | None = None
 
     # -- transformers.Cache API -------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        b, h, q, _ = key_states.shape
-        pos = self.new_pos[:, None, :].expand(b, h, q)
-        val = self.new_valid[:, None, :].expand(b, h, q)
-        if self.k[layer_idx] is None:
-            self.k[layer_idx], self.v[layer_idx] = key_states, value_states
-            self.pos[layer_idx], self.valid[layer_idx] = pos.clone(), val.clone()
-        else:
-            self.k[layer_idx] = torch.cat([self.k[layer_idx], key_states], dim=2)
-            self.v[layer_idx] = torch.cat([self.v[layer_idx], value_states], dim=2)
-            self.pos[layer_idx] = torch.cat([self.pos[layer_idx], pos], dim=2)
-            self.valid[layer_idx] = torch.cat([self.valid[layer_idx], val], dim=2)
-        return self.k[layer_idx], self.v[layer_idx]
+        st = self.step
+        self.pool.write(layer_idx, key_states, value_states, st.slots, st.positions)
+        return self.pool.k[layer_idx][:, :, :st.kv_len], self.pool.v[layer_idx][:, :, :st.kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.k[layer_idx] is None else self.k[layer_idx].shape[2]
+        return 0 if self.step is None else self.step.kv_len
 
     def __len__(self) -> int:
         return self.num_layers
 
     # -- engine side --------------------------------------------------------------------------
-    def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+    def attend(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
+        st, pool = self.step, self.pool
+        if pool.win is not None:
+            pool.push_queries(layer, query, st.real)
+        sparse_layer = self.policy.kind == "selection" and layer >= self.policy.dense_layers
+        if sparse_layer:
+            self._refresh_summaries(layer)
+        if sparse_layer and st.select:
+            return self._attend_selected(layer, query, key, value, scaling)
+        if st.paged:
+            return self.backend.decode(query, pool.k[layer], pool.v[layer])
+        return self.backend.attend(query, key, value, st.mask, scaling=scaling)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` of the batch (finished or pruned rows free their KV)."""
-        for lst in (self.k, self.v, self.pos, self.valid, self.queries):
-            for i, t in enumerate(lst):
-                if t is not None:
-                    lst[i] = t.index_select(0, rows)
-        if self.step_budget is not None:
-            self.step_budget = self.step_budget.index_select(0, rows)
-
-    def compress_if_needed(self, budgets: torch.Tensor) -> None:
-        """Evict down to ``budgets`` ([B], -1 = dense) where a row exceeds budget + buffer."""
-        if not self.policy.evicts:
+    def _refresh_summaries(self, layer: int) -> None:
+        """Rewrite the mean key of pages completed by this forward (after the write)."""
+        st, pool = self.step, self.pool
+        ps, summ, keys = pool.page_size, pool.summ[layer], pool.k[layer].detach()
+        if st.refresh is not None:  # a chunk: every page it may have completed
+            p0, p1 = st.refresh
+            summ[:, :, p0:p1] = page_means(keys[:, :, p0 * ps:p1 * ps], page_size=ps)
             return
-        buffer = getattr(self.policy, "buffer", 0)
+        # one token per row: the row's most recently completed page
+        b, h, _, d = keys.shape
+        page = ((st.counts + 1) // ps - 1).clamp(min=0)  # [B]
+        idx = page[:, None] * ps + torch.arange(ps, device=keys.device)
+        block = keys.gather(2, idx[:, None, :, None].expand(b, h, ps, d))
+        mean = page_means(block, page_size=ps)  # [B, H, 1, D]
+        summ.scatter_(2, page[:, None, None, None].expand(b, h, 1, d), mean)
+
+    def _attend_selected(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
+        st, pool = self.step, self.pool
+        ps = pool.page_size
+        pages, ok = select_pages(self.policy, summaries=pool.summ[layer], query=query,
+                                 slots=st.query_slots, budgets=st.budgets, k=st.keep_max)
+        if st.paged:
+            return self.backend.decode(query, pool.k[layer], pool.v[layer], selected=(pages[:, :, 0], ok[:, :, 0]))
+        if st.q_len > 1:  # a teacher-forced chunk: one page mask per query
+            sel = pages_to_mask(pages, ok, page_size=ps, slots=st.kv_len)
+            return self.backend.attend(query, key, value, sel & st.mask, scaling=scaling)
+        # one token: gather the selected pages (O(budget) attention instead of O(S))
+        b, h = pages.shape[:2]
+        slot = (pages[:, :, 0, :, None] * ps + torch.arange(ps, device=pages.device)).reshape(b, h, -1)
+        allowed = ok[:, :, 0, :, None].expand(-1, -1, -1, ps).reshape(b, h, -1)
+        allowed = allowed & (slot <= st.query_slots[:, :1, None])
+        slot = torch.where(allowed, slot, 0)
+        d = pool.k[layer].shape[-1]
+        idx = slot[..., None].expand(-1, -1, -1, d)
+        k_sel, v_sel = pool.k[layer].gather(2, idx), pool.v[layer].gather(2, idx)
+        return self.backend.attend(query, k_sel, v_sel, allowed[:, :, None, :], scaling=scaling)
+
+    def compress(self, budgets: torch.Tensor, counts: torch.Tensor, query_valid: torch.Tensor | None) -> None:
+        """Evict every layer down to ``budgets`` (host ``[B]``; a row's own count = keep all).
+
+        Shapes:
+            budgets, counts ``[B]`` CPU long (valid slots per row before); query_valid ``[B, W]``.
+        """
+        pool = self.pool
+        s = int(counts.max())
+        dev = pool.k[0].device
+        b, h = pool.k[0].shape[:2]
+        valid = (torch.arange(s, device=dev) < counts.to(dev)[:, None])[:, None, :].expand(b, h, s)
         for i in range(self.num_layers):
-            valid = self.valid[i]
-            n = valid.sum(dim=(1, 2)) // valid.shape[1]  # valid slots per row (equal over heads)
-            need = (budgets >= 0) & (n > budgets + buffer)
-            if not bool(need.any()):
-                continue
-            eff = torch.where(need, budgets, n)
-            q = self.queries[i]
-            if q is None:  # a policy that scores without queries (StreamingLLM)
-                q = self.k[i].new_zeros(self.k[i].shape[0], self.k[i].shape[1], 0, self.k[i].shape[-1])
-            keep = compress(self.policy, keys=self.k[i], queries=q, valid=valid,
-                            positions=self.pos[i], budget=eff)
-            idx4 = keep.index[..., None].expand(-1, -1, -1, self.k[i].shape[-1])
-            self.k[i] = self.k[i].gather(2, idx4)
-            self.v[i] = self.v[i].gather(2, idx4)
-            self.pos[i] = self.pos[i].gather(2, keep.index)
-            self.valid[i] = keep.valid
-
-    def remember_queries(self, layer_idx: int, query: torch.Tensor) -> None:
-        w = getattr(self.policy, "window", 0)
-        if w <= 0 or not self.policy.evicts:
-            return
-        prev = self.queries[layer_idx]
-        q = query if prev is None else torch.cat([prev, query], dim=2)
-        self.queries[layer_idx] = q[:, :, -w:]
+            keys = pool.k[i][:, :, :s].detach()
+            q = pool.win[i] if pool.win is not None else keys.new_zeros(b, keys.shape[1], 0, keys.shape[-1])
+            keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=pool.pos[i][:, :, :s],
+                            budget=budgets, query_valid=query_valid)
+            pool.compact(i, keep.index)
 
 
 @contextlib.contextmanager
@@ -120,25 +157,12 @@ def active_cache(cache: SparseKVCache) -> Iterator[SparseKVCache]:
 
 
 def sparsecorr_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``AttentionInterface`` function: masked attention over the active cache's kept slots."""
+    """``AttentionInterface`` function: attention over the active cache's kept / selected slots."""
     cache = _ACTIVE.get()
     if cache is None:
         raise RuntimeError("sparsecorr attention used outside sparsecorr.decoding.generate")
-    layer = module.layer_idx
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    valid, kpos = cache.valid[layer], cache.pos[layer]
-    allowed = valid[:, :, None, :] & (kpos[:, :, None, :] <= cache.new_pos[:, None, :, None])
-    if cache.policy.kind == "selection" and query.shape[2] == 1:
-        budgets = cache.step_budget
-        sel = cache.policy.attend_mask(keys=key, query=query, valid=valid, positions=kpos,
-                                       budget=int(budgets.clamp(min=0).max()), layer_idx=layer)
-        dense_rows = (budgets < 0)[:, None, None]
-        allowed = allowed & (sel | dense_rows)[:, :, None, :]
-    cache.remember_queries(layer, query)
-    if query.shape[2] == 1:
-        seen = allowed[:, :, -1, :].sum(-1).float().mean(1)
-        cache.attended = seen if cache.attended is None else cache.attended + seen
-    out = cache.backend.attend(query, key, value, allowed, scaling=scaling)
+    out = cache.attend(module.layer_idx, query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

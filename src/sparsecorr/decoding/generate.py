@@ -1,11 +1,13 @@
 r"""Sparse decoding over Hugging Face causal LMs: ``generate`` and ``teacher_forced_logprobs``.
 
-One loop serves both: prefill the (left-padded, ragged) prompts, then one token per step for
-every active row, with the model's attention routed through the ``"sparsecorr"`` attention
-function and a `SparseKVCache`. Positions are passed
-explicitly (true positions, so RoPE is right after eviction). Rows that finish (EOS) or are
-pruned leave the batch, freeing their compute and KV. ``teacher_forced_logprobs`` runs the same
-loop with the tokens given, so for the same tokens it reproduces ``generate``'s log-probs.
+Both run on the [`Engine`][sparsecorr.decoding.engine.Engine]: the (ragged) prompts are
+right-aligned so row ``b``'s tokens fill KV slots ``[0, len_b)`` of a preallocated pool, fed in
+chunks (logits only at each row's last prompt token), then ``generate`` samples one token per
+step for every active row and ``teacher_forced_logprobs`` replays given tokens in chunks that
+end exactly where a compression event is due, so it reproduces ``generate``'s log-probs with one
+forward per chunk. The model's attention is routed through the ``"sparsecorr"`` attention
+function; positions are passed explicitly (true positions, so RoPE is right after eviction).
+Rows that finish (EOS) or are pruned leave the batch, freeing their compute and KV.
 """
 
 from __future__ import annotations
@@ -18,11 +20,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from ..mismatch import truncate_logits
 from .backends import get_backend
-from .cache import ATTN_NAME, SparseKVCache, active_cache
-from .policies import Dense, KVPolicy
-from .rollout import RolloutBatch
+from .cache import ATTN_NAME, active_cache
+from .engine import Engine, pool_capacity
+from .loops import Sampling, decode_loop, forced_loop, prefill
+from .policies import KVPolicy
+from .rollout import RolloutBatch, blank_fields
+from .validate import (
+    budget_table,
+    check_mask,
+    check_run_args,
+    check_sampling,
+    check_token_ids,
+    vocab_size,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -44,168 +55,83 @@ def _sparse_attention(model) -> Iterator[None]:
         model.set_attn_implementation(previous)
 
 
-def _budgets(budget, context_lens: torch.Tensor) -> torch.Tensor:
-    if budget is None:
-        return torch.full_like(context_lens, -1)
-    if isinstance(budget, int):
-        if budget < 1:
-            raise ValueError(f"budget: expected a positive int, None or a schedule, got {budget!r}")
-        return torch.full_like(context_lens, budget)
-    if not hasattr(budget, "budget_at"):
-        raise ValueError(f"budget: expected an int or an object with budget_at(context_len), got {type(budget).__name__}")
-    vals = [budget.budget_at(int(c)) for c in context_lens.tolist()]
-    return torch.tensor([-1 if v is None else int(v) for v in vals], dtype=torch.long)
-
-
-def _left_pad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-align ragged prompts: returns ids ``[B, P]`` and a bool validity mask ``[B, P]``."""
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids: expected [B, P], got {tuple(input_ids.shape)}")
-    if attention_mask is None:
-        return input_ids, torch.ones_like(input_ids, dtype=torch.bool)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
-    m = attention_mask.bool()
-    order = (~m).long().argsort(dim=1, descending=True, stable=True)  # padding first, order kept
-    return input_ids.gather(1, order), m.gather(1, order)
-
-
-def _sample(logits, *, temperature, top_k, top_p, k, generator, forced):
-    """Next token, its log-prob and the top-k, all from the processed distribution."""
-    z = logits.float()
-    if temperature > 0:
-        z = truncate_logits(z / temperature, top_k, top_p)
-    logp_all = torch.log_softmax(z, dim=-1)
-    if forced is not None:
-        tok = forced
-    elif temperature > 0:
-        tok = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(1)
-    else:
-        tok = logp_all.argmax(-1)
-    top = logp_all.topk(min(k, logp_all.shape[-1]), dim=-1) if k > 0 else None
-    return tok, logp_all.gather(1, tok[:, None]).squeeze(1), top
-
-
-def _run(model, input_ids, attention_mask, *, policy, budget, max_new_tokens, temperature, top_k,
-         top_p, logprobs_topk, eos_token_id, backend, generator, progress, forced, forced_mask,
-         pruner, group_size, grad=False) -> RolloutBatch:
-    if not isinstance(policy, KVPolicy):
-        raise ValueError(f"policy: expected a KVPolicy (Dense(), RKV(), ...), got {type(policy).__name__}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature!r}")
+def _prompts(model, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated prompts, right-aligned: ids ``[B, P]`` (padding = 0) and lengths ``[B]`` (CPU)."""
+    check_token_ids("input_ids", input_ids, vocab=vocab_size(model), ndim=2,
+                    mask=None if attention_mask is None else check_mask("attention_mask", attention_mask,
+                                                                         tuple(input_ids.shape)))
     device = next(model.parameters()).device
-    ids, pmask = _left_pad(input_ids.to(device), None if attention_mask is None else attention_mask.to(device))
-    b_total = ids.shape[0]
-    prompt_len = pmask.sum(1)
-    eos = set() if eos_token_id is None else ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
-    k = logprobs_topk
-    out_tok = torch.zeros(b_total, max_new_tokens, dtype=torch.long)
-    out_mask = torch.zeros(b_total, max_new_tokens, dtype=torch.bool)
-    out_logp = torch.zeros(b_total, max_new_tokens)
-    out_tk = torch.full((b_total, max_new_tokens, k), float("-inf"))
-    out_ti = torch.zeros(b_total, max_new_tokens, k, dtype=torch.long)
-    out_budget = torch.full((b_total, max_new_tokens), -1, dtype=torch.long)
-    out_kept = torch.zeros(b_total, max_new_tokens)
-    finish = ["length"] * b_total
-    pruned = torch.zeros(b_total, dtype=torch.bool)
-    pruned_at = torch.full((b_total,), -1, dtype=torch.long)
-    n_layers = model.config.num_hidden_layers
-    cache = SparseKVCache(n_layers, policy=policy, backend=get_backend(backend))
-    active = torch.arange(b_total)
-    hidden_buf = None
-    if pruner is not None:
-        hidden_buf = torch.zeros(b_total, pruner.window, model.config.hidden_size)
-    budget_obj = None if isinstance(policy, Dense) else budget
-    with _sparse_attention(model), active_cache(cache), torch.set_grad_enabled(grad):
-        # prefill: positions count real tokens only (left padding has no position)
-        pos = (pmask.long().cumsum(1) - 1).clamp(min=0)
-        cache.new_pos, cache.new_valid = pos, pmask
-        cache.step_budget = _budgets(budget_obj, prompt_len.cpu()).to(device)
-        t_start = time.perf_counter()
-        out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
-        logits = out.logits[:, -1]
-        cache.compress_if_needed(cache.step_budget)
-        cache.peak_bytes = cache.kv_bytes()
-        t_prefill = time.perf_counter()
-        bar = tqdm(total=max_new_tokens, disable=not progress, desc=f"decode {policy.name}")
-        for t in range(max_new_tokens):
-            rows = active
-            f_tok = None if forced is None else forced[rows, t].to(device)
-            tok, lp, top = _sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, k=k,
-                                   generator=generator, forced=f_tok)
-            out_tok[rows, t], out_logp[rows, t], out_mask[rows, t] = tok.cpu(), lp.cpu(), True
-            if top is not None:
-                out_tk[rows, t], out_ti[rows, t] = top.values.cpu(), top.indices.cpu()
-            out_budget[rows, t] = cache.step_budget.cpu()
-            done = torch.zeros(len(rows), dtype=torch.bool)
-            if eos:
-                done |= torch.tensor([int(x) in eos for x in tok.tolist()])
-                for r in rows[done].tolist():
-                    finish[r] = "eos"
-            if forced_mask is not None:
-                last = ~forced_mask[rows, t + 1] if t + 1 < max_new_tokens else torch.ones(len(rows), dtype=torch.bool)
-                done |= last
-            if t + 1 == max_new_tokens:
-                bar.update(1)
-                break
-            keep = ~done
-            if not bool(keep.any()):
-                bar.update(max_new_tokens - t)
-                break
-            if not bool(keep.all()):
-                sel = keep.nonzero().squeeze(1).to(device)
-                cache.select_rows(sel)
-                active, tok = active[keep], tok[sel]
-            context = prompt_len[active].cpu() + t + 1
-            step_pos = (prompt_len[active] + t).to(device)[:, None]
-            cache.new_pos, cache.new_valid = step_pos, torch.ones_like(step_pos, dtype=torch.bool)
-            cache.step_budget = _budgets(budget_obj, context).to(device)
-            cache.attended = None
-            # hidden states of generated tokens detect_len - window ... detect_len - 1 (fed here)
-            slot = None if pruner is None else t - (pruner.detect_len - pruner.window)
-            want_hidden = slot is not None and 0 <= slot < pruner.window
-            out = model(input_ids=tok[:, None], position_ids=step_pos, past_key_values=cache,
-                        use_cache=True, output_hidden_states=want_hidden)
-            logits = out.logits[:, -1]
-            if want_hidden:
-                hidden_buf[active, slot] = out.hidden_states[pruner.layer][:, -1].float().cpu()
-            if cache.attended is not None:
-                out_kept[active, t] = (cache.attended / n_layers).cpu()
-            if pruner is not None and t + 1 == pruner.detect_len:
-                # every row has generated detect_len tokens and its window of hidden states
-                decision = pruner.decide(hidden_buf.to(device), group_size=group_size).cpu()
-                cut = ~decision[active]
-                pruned[active[cut]] = True
-                pruned_at[active[cut]] = t + 1
-                for r in active[cut].tolist():
-                    finish[r] = "pruned"
-                if bool(cut.all()):
-                    bar.update(max_new_tokens - t)
-                    break
-                if bool(cut.any()):
-                    sel = (~cut).nonzero().squeeze(1).to(device)
-                    cache.select_rows(sel)
-                    active, logits = active[~cut], logits[sel]
-            cache.compress_if_needed(cache.step_budget)
-            cache.peak_bytes = max(cache.peak_bytes, cache.kv_bytes())
-            bar.update(1)
-        bar.close()
-        t_end = time.perf_counter()
-    lengths = out_mask.sum(1)
-    mask = out_mask & ~pruned[:, None]
-    return RolloutBatch(
-        tokens=out_tok, mask=mask, lengths=lengths, prompt_lengths=prompt_len.cpu(),
-        rollout_logp=torch.where(out_mask, out_logp, 0.0), topk_logp=out_tk, topk_ids=out_ti,
-        budget=out_budget, kv_kept=out_kept, finish_reason=tuple(finish),
-        peak_kv_bytes=int(cache.peak_bytes), pruned=pruned, pruned_at=pruned_at,
-        meta={"policy": repr(policy), "backend": cache.backend.name, "dtype": str(next(model.parameters()).dtype),
-              "temperature": temperature, "top_k": top_k, "top_p": top_p,
-              "budget": budget if isinstance(budget, int) or budget is None else repr(budget),
-              "seed": None if generator is None else int(generator.initial_seed()),
-              "prefill_s": t_prefill - t_start, "decode_s": t_end - t_prefill},
-    )
+    ids = input_ids.to(device)
+    if attention_mask is None:
+        return ids, torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long)
+    m = attention_mask.to(device).bool()
+    order = (~m).long().argsort(dim=1, stable=True)  # real tokens first, their order kept
+    m = m.gather(1, order)
+    return torch.where(m, ids.gather(1, order), 0), m.sum(1).cpu()
+
+
+def _meta(model, policy, budget, samp: Sampling, backend_name: str, **extra) -> dict[str, Any]:
+    return {"policy": repr(policy), "backend": backend_name, "dtype": str(next(model.parameters()).dtype),
+            "temperature": samp.temperature, "top_k": samp.top_k, "top_p": samp.top_p,
+            "budget": budget if isinstance(budget, int) or budget is None else repr(budget),
+            "seed": None if samp.generator is None else int(samp.generator.initial_seed()), **extra}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, progress, prefill_chunk,
+         eos_token_id=None, pruner=None, group_size=None, forced=None, forced_len=None, chunk_size=None,
+         grad=False, cuda_graph=False) -> RolloutBatch:
+    """Decode (or replay ``forced``) the non-empty rows; empty prompts get blank rows."""
+    param = next(model.parameters())
+    device = param.device
+    b_all, t_max = ids.shape[0], max_new_tokens
+    live = (lens > 0).nonzero().squeeze(1)
+    back = get_backend(backend, device=device, dtype=param.dtype)
+    budget_table(budget, dense=policy.kind == "dense", longest=0)  # checked even for an empty batch
+    base = dict(budget=budget, samp=samp, backend_name=back.name, prefill_chunk=prefill_chunk)
+    if live.numel() == 0:
+        return RolloutBatch(**blank_fields(b_all, t_max, samp.k, prompt_lengths=lens),
+                            meta=_meta(model, policy, **base, prefill_s=0.0, decode_s=0.0, kv_pool_bytes=0))
+    ids, lens = ids[live.to(device)], lens[live]
+    longest = int(lens.max()) + t_max
+    table = budget_table(budget, dense=policy.kind == "dense", longest=longest)
+    chunk = prefill_chunk or int(lens.max())
+    engine = Engine(model, policy=policy, backend=back, table=table, batch=live.numel(),
+                    capacity=pool_capacity(policy, table, longest=longest, chunk=chunk), grad=grad,
+                    cuda_graph=cuda_graph)
+    bar = tqdm(total=t_max, disable=not progress, desc=f"decode {policy.name}")
+    with _sparse_attention(model), active_cache(engine.cache), torch.set_grad_enabled(grad):
+        t0 = time.perf_counter()
+        logits = prefill(engine, ids, lens, chunk)
+        _sync(device)
+        t1 = time.perf_counter()
+        if forced is None:
+            fields = decode_loop(engine, logits, prompt_len=lens, steps=t_max, samp=samp, eos=eos_token_id,
+                                 pruner=pruner, group_size=group_size, bar=bar)
+        else:
+            fields = forced_loop(engine, logits, forced[live.to(device)], forced_len[live], prompt_len=lens,
+                                 chunk=chunk_size, samp=samp, bar=bar)
+        _sync(device)
+        t2 = time.perf_counter()
+    bar.close()
+    out = blank_fields(b_all, t_max, samp.k, prompt_lengths=torch.zeros(b_all, dtype=torch.long))
+    for name, value in fields.items():
+        if name == "finish_reason":
+            reasons = list(out[name])
+            for i, r in zip(live.tolist(), value):
+                reasons[i] = r
+            out[name] = tuple(reasons)
+        else:
+            out[name] = out[name].index_put((live,), value.cpu())
+    out["prompt_lengths"] = out["prompt_lengths"].index_put((live,), lens)
+    out["peak_kv_bytes"] = engine.peak_slots * engine.pool.slot_bytes()
+    return RolloutBatch(**out, meta=_meta(model, policy, **base, prefill_s=t1 - t0, decode_s=t2 - t1,
+                                          kv_pool_bytes=engine.pool.allocated_bytes(),
+                                          cuda_graph=engine.graphs.status if engine.graphs else "off"))
 
 
 def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -213,7 +139,8 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              logprobs_topk: int = 20, eos_token_id: int | list[int] | None = None,
              backend: str = "auto", generator: torch.Generator | None = None, progress: bool = False,
-             pruner: Any | None = None, group_size: int | None = None) -> RolloutBatch:
+             pruner: Any | None = None, group_size: int | None = None,
+             prefill_chunk: int | None = 512, cuda_graph: bool = False) -> RolloutBatch:
     """Sample responses with a sparse KV policy and record the sampler's log-probs.
 
     Args:
@@ -225,29 +152,55 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
             object with ``budget_at(context_len) -> int | None`` (None = dense at that length).
         max_new_tokens: generation length.
         temperature: sampling temperature; 0 = greedy (log-probs then of the untempered model).
-        top_k: sample from the top-k support (log-probs renormalised over it).
-        top_p: nucleus sampling (log-probs renormalised over the kept support).
-        logprobs_topk: k of the recorded top-k log-probs (Sparrow: 20).
+        top_k: sample from the top-k support (log-probs renormalised over it); None = off.
+        top_p: nucleus sampling in (0, 1] (log-probs renormalised over the kept support).
+        logprobs_topk: k of the recorded top-k log-probs (Sparrow: 20; 0 = none).
         eos_token_id: stop a row after it samples one of these.
-        backend: ``"auto"`` / ``"torch"`` (reference) / ``"flashinfer"``.
+        backend: ``"auto"`` (FlashInfer on CUDA when installed, else ``"torch"``), ``"torch"``
+            (SDPA in the model's dtype), ``"reference"`` (float32 oracle), ``"flashinfer"``, or a
+            backend object.
         generator: RNG for sampling (seeded runs are reproducible).
         progress: show a progress bar.
         pruner: an ARRoL pruner (``sparsecorr.pruning.Pruner``) deciding at ``pruner.detect_len``.
         group_size: rollouts per prompt (consecutive rows), required with ``pruner``.
+        prefill_chunk: prompt tokens per prefill forward (None = the whole prompt at once).
+            Eviction policies compress between chunks, so their cache never exceeds
+            ``budget + buffer + prefill_chunk`` slots; with one chunk the prompt is compressed
+            once, after it is read.
+        cuda_graph: replay each single-token decode step as a CUDA graph (CUDA only, no pruner;
+            see [`sparsecorr.decoding.graphs`][sparsecorr.decoding.graphs]). Falls back to eager
+            steps, with a warning, if capture fails; ``meta["cuda_graph"]`` records which ran.
+
+    Returns:
+        A [`RolloutBatch`][sparsecorr.decoding.RolloutBatch]. ``B = 0`` gives an empty batch;
+        rows without a prompt token get ``lengths = 0``, an all-False mask and finish reason
+        ``"empty"``.
 
     Shapes:
         input_ids, attention_mask: ``[B, P]`` -> a `RolloutBatch` with ``T = max_new_tokens``.
     """
-    if pruner is not None and (group_size is None or input_ids.shape[0] % group_size):
-        raise ValueError(f"group_size: expected an int dividing B={input_ids.shape[0]} with a pruner, got {group_size!r}")
-    if pruner is not None and not 1 <= pruner.window <= pruner.detect_len:
-        raise ValueError(f"pruner.window: expected 1 <= window <= detect_len ({pruner.detect_len}), "
-                         f"got {pruner.window!r}")
-    return _run(model, input_ids, attention_mask, policy=policy, budget=budget,
-                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                logprobs_topk=logprobs_topk, eos_token_id=eos_token_id, backend=backend,
-                generator=generator, progress=progress, forced=None, forced_mask=None,
-                pruner=pruner, group_size=group_size)
+    check_run_args(policy=policy, max_new_tokens=max_new_tokens, logprobs_topk=logprobs_topk,
+                   eos_token_id=eos_token_id, prefill_chunk=prefill_chunk)
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    if pruner is not None:
+        n = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else None
+        if not isinstance(group_size, int) or group_size < 1 or n is None or n % group_size:
+            raise ValueError(f"group_size: expected an int dividing B={n} with a pruner, got {group_size!r}")
+        if not 1 <= pruner.window <= pruner.detect_len:
+            raise ValueError(f"pruner.window: expected 1 <= window <= detect_len ({pruner.detect_len}), "
+                             f"got {pruner.window!r}")
+    if cuda_graph not in (True, False):
+        raise ValueError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
+    if cuda_graph and (next(model.parameters()).device.type != "cuda" or pruner is not None):
+        raise ValueError("cuda_graph: needs the model on a CUDA device and no pruner (the pruner reads "
+                         "hidden states the captured step does not return)")
+    ids, lens = _prompts(model, input_ids, attention_mask)
+    if pruner is not None and bool((lens == 0).any()):
+        raise ValueError("attention_mask: every row needs a prompt token when a pruner keeps groups")
+    samp = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, k=logprobs_topk, generator=generator)
+    return _run(model, ids, lens, policy=policy, budget=budget, max_new_tokens=max_new_tokens, samp=samp,
+                backend=backend, progress=progress, prefill_chunk=prefill_chunk,
+                eos_token_id=eos_token_id, pruner=pruner, group_size=group_size, cuda_graph=cuda_graph)
 
 
 def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, response_ids: torch.Tensor, *,
@@ -256,26 +209,46 @@ def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, res
                             response_mask: torch.Tensor | None = None, temperature: float = 1.0,
                             top_k: int | None = None, top_p: float | None = None,
                             logprobs_topk: int = 20, backend: str = "auto",
-                            progress: bool = False, grad: bool = False) -> RolloutBatch:
-    """The sparse policy's log-probs (and top-k) of given response tokens, by the same decode
-    path with the tokens forced: for the tokens ``generate`` sampled, it reproduces its
-    ``rollout_logp``.
+                            progress: bool = False, grad: bool = False,
+                            prefill_chunk: int | None = 512, chunk_size: int = 256) -> RolloutBatch:
+    """The sparse policy's log-probs (and top-k) of given response tokens: for the tokens
+    ``generate`` sampled (same policy, budget, sampling settings and ``prefill_chunk``), it
+    reproduces its ``rollout_logp``.
 
-    With ``grad=True`` the decode loop runs with autograd on, so ``rollout_logp`` carries the
-    gradient of the sparse forward pass (eviction is a gather of the kept K/V, differentiable in
-    the kept entries; the kept *set* is not). DistillSparse uses it to train the sparse
-    sampler's LoRA adapter on the log-probs of the sparse path itself. Memory grows with the
-    response length (the graph of every step is kept).
+    The response is replayed in chunks of up to ``chunk_size`` tokens, one forward each; a chunk
+    ends where some row's cache reaches ``budget + buffer``, and the compression runs there, so
+    every token sees the kept set it saw when it was decoded (a dense policy replays the whole
+    response in ``T / chunk_size`` forwards; an eviction policy in about ``T / (buffer + 1)``).
+    A row's response ends at the first False of ``response_mask``.
+
+    With ``grad=True`` autograd is on, so ``rollout_logp`` carries the gradient of the sparse
+    forward pass (eviction is a gather of the kept K/V, differentiable in the kept entries; the
+    kept *set* is not). DistillSparse uses it to train the sparse sampler's LoRA adapter on the
+    log-probs of the sparse path itself. Memory grows with the number of chunks (each keeps its
+    graph).
 
     Shapes:
         input_ids, attention_mask: ``[B, P]``; response_ids, response_mask: ``[B, T]``.
     """
-    if response_ids.dim() != 2 or response_ids.shape[0] != input_ids.shape[0]:
-        raise ValueError(f"response_ids: expected [{input_ids.shape[0]}, T], got {tuple(response_ids.shape)}")
-    if response_mask is None:
-        response_mask = torch.ones_like(response_ids, dtype=torch.bool)
-    return _run(model, input_ids, attention_mask, policy=policy, budget=budget,
-                max_new_tokens=response_ids.shape[1], temperature=temperature, top_k=top_k,
-                top_p=top_p, logprobs_topk=logprobs_topk, eos_token_id=None, backend=backend,
-                generator=None, progress=progress, forced=response_ids.cpu(),
-                forced_mask=response_mask.bool().cpu(), pruner=None, group_size=None, grad=grad)
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+    b = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None
+    if not isinstance(response_ids, torch.Tensor) or response_ids.dim() != 2 or response_ids.shape[0] != b:
+        raise ValueError(f"response_ids: expected [{b}, T], got "
+                         f"{tuple(response_ids.shape) if isinstance(response_ids, torch.Tensor) else response_ids!r}")
+    rmask = torch.ones_like(response_ids, dtype=torch.bool) if response_mask is None else \
+        check_mask("response_mask", response_mask, tuple(response_ids.shape))
+    rmask = rmask.cpu()
+    check_token_ids("response_ids", response_ids, vocab=vocab_size(model), mask=rmask)
+    t_max = response_ids.shape[1]
+    check_run_args(policy=policy, max_new_tokens=max(t_max, 1), logprobs_topk=logprobs_topk,
+                   eos_token_id=None, prefill_chunk=prefill_chunk)
+    ids, lens = _prompts(model, input_ids, attention_mask)
+    forced_len = rmask.long().cumprod(1).sum(1)  # up to the first False
+    samp = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, k=logprobs_topk, generator=None)
+    forced = torch.where(rmask.to(ids.device), response_ids.to(ids.device), 0)
+    # a row with no response token to score is skipped (blank row, finish reason "empty")
+    return _run(model, ids, torch.where(forced_len > 0, lens, 0), policy=policy, budget=budget, max_new_tokens=t_max, samp=samp, backend=backend,
+                progress=progress, prefill_chunk=prefill_chunk, forced=forced, forced_len=forced_len,
+                chunk_size=chunk_size, grad=grad)

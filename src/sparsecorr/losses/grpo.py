@@ -49,9 +49,10 @@ class KLPenalty:
 
     Attributes:
         coef: \(\beta\) (Sparse-RL: 1e-4; TRL ``beta``).
-        bias_correction: multiply each token's \(k_3\) by the PPO ratio \(\rho_t\) (with its
-            gradient), as TRL's ``use_bias_correction_kl`` does: the tokens were sampled from
-            \(\pi_\text{old}\), not \(\pi_\theta\).
+        bias_correction: multiply each token's \(k_3\) by the surrogate's importance ratio
+            (with its gradient: \(\rho_t\) per token, GSPO's sequence ratio \(s_i\)), as TRL's
+            ``use_bias_correction_kl`` does: the tokens were sampled from \(\pi_\text{old}\),
+            not \(\pi_\theta\).
     """
 
     coef: float = 0.0
@@ -247,9 +248,12 @@ def sparse_grpo(
         k3 = torch.expm1(d) - d
         if pen.coef > 0:
             term = k3
-            if pen.bias_correction:  # k3 times the PPO ratio, with its gradient (TRL)
-                r = torch.where(kept, logp.float() - old_logp.detach().float(), 0.0)
-                term = k3 * r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+            if pen.bias_correction:  # k3 times the surrogate's ratio, with its gradient (TRL)
+                ratio = out.kl_ratio
+                if ratio is None:
+                    r = torch.where(kept, logp.float() - old_logp.detach().float(), 0.0)
+                    ratio = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+                term = k3 * ratio
             token_loss = token_loss + pen.coef * term
             loss = loss + pen.coef * (term.sum(dim=1) * scales).sum()
     if metrics == "none":

@@ -74,12 +74,17 @@ class SurrogateOutput:
     - ``sums()``: ``name -> 0-d sum over the kept tokens``; the metric is that sum divided by
       the kept-token count (all divided at once);
     - ``extra()``: ``name -> 0-d value`` for anything else (``metrics="full"``).
+
+    ``kl_ratio``: the importance ratio, with its gradient, that ``KLPenalty(bias_correction=True)``
+    multiplies the k3 term by when the surrogate's ratio is not per token (GSPO: the sequence
+    ratio, ``[B, 1]``); ``None`` for the token ratio.
     """
 
     token_loss: torch.Tensor
     loss: torch.Tensor
     sums: Callable[[], dict[str, torch.Tensor]] = dict
     extra: Callable[[], dict[str, torch.Tensor]] = dict
+    kl_ratio: torch.Tensor | None = None
 
 
 class _PPOClip(torch.autograd.Function):

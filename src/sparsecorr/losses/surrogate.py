@@ -94,7 +94,8 @@ class GSPO:
         token_loss = torch.where(kept, x.neg_weighted_adv * clipped, 0.0)
         loss = (token_loss.sum(dim=1) * x.scales).sum()
         r, unclipped = ratio.detach(), (clipped.detach() == ratio.detach())
-        return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r.expand_as(kept), unclipped.expand_as(kept)))
+        return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r.expand_as(kept), unclipped.expand_as(kept)),
+                               kl_ratio=ratio)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,10 @@ class Mismatch:
         mask: bool, the caller's mask (True = the token counts).
         old_logp: the dense log-probs as given (not copied).
         rollout_logp: the sampler's log-probs as given (not copied).
-        acceptance: optional per-token acceptance rate in [0, 1] (Sparrow; ``sparse_tail``).
+        acceptance: optional per-token acceptance rate in [0, 1]: \(1 - \mathrm{TV}\) between the
+            dense and sparse next-token distributions from their top-k log-probs
+            (``acceptance_rate_topk``; Sparrow, read by ``sparse_tail``), the statistic
+            calibration and the controller use.
         advantages: optional ``[B]`` or ``[B, T]`` advantages, context for corrections that
             read them (OPSM); set by ``sparse_grpo`` or ``with_context``.
         logp: optional detached learner log-probs, context for OPSM (drift to the current

@@ -1,7 +1,12 @@
-"""``TailController``: adjust a schedule online from streaming tail statistics.
+r"""``TailController``: adjust a schedule online from streaming tail statistics.
 
 Every step, the trainer feeds the per-token acceptance of its rollouts (with their prompt
-lengths) into per-bin sketches. Between steps, `TailController.step` reads each bin's
+lengths) into per-bin sketches. The acceptance is the one statistic calibration measures and
+``tau`` is a threshold on: \(\alpha_t = 1 - \mathrm{TV}(p_t, q_t)\) between the dense and the
+sparse next-token distributions, from their top-k log-probs
+(``sparsecorr.mismatch.acceptance_rate_topk``, a lower bound; Sparrow, k = 20). The sampled
+token's \(\min(1, p/q)\) has the same mean but is one noisy draw per token: its tail sits far
+below \(\alpha\)'s and must not be fed here. Between steps, `TailController.step` reads each bin's
 tail (``q`` quantile) and raises that bin's budget to the next candidate when the tail is below
 ``tau``, or lowers it by one candidate when it has stayed comfortably above (``tau + margin``)
 for ``patience`` consecutive steps — never outside ``[min_budget, max_budget]``, and keeping

@@ -1,5 +1,6 @@
 """Each policy's kept set equals a literal, loop-based re-statement of its rule; invariants."""
 
+import itertools
 import math
 
 import torch
@@ -153,3 +154,83 @@ def test_block_topk_selection_rule(data, page):
             expect = {j for p in chosen for j in pages[p]}
             got = {j for j in range(s) if mask[bi, hi, j]}
             assert got == expect
+
+
+def _loop_rkv_keep(keys, queries, valid, positions, budget, pol):
+    """R-KV's kept set, restated with loops: pooled window votes and mean pairwise cosine
+    similarity, each min-max normalised per (row, head), mixed, then the keep rule."""
+    imp = _loop_snapkv_scores(keys, queries, valid, pol.kernel)
+    b, h, s, _ = keys.shape
+    red = torch.zeros(b, h, s, dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            idx = [j for j in range(s) if valid[bi, hi, j]]
+            for j in idx:
+                cos = [float(torch.nn.functional.cosine_similarity(keys[bi, hi, j].double(),
+                                                                   keys[bi, hi, t].double(), dim=0))
+                       for t in idx if t != j]
+                red[bi, hi, j] = sum(cos) / max(len(cos), 1)
+
+    def minmax(x, bi, hi, idx):
+        lo, hi_ = min(float(x[bi, hi, j]) for j in idx), max(float(x[bi, hi, j]) for j in idx)
+        return {j: (float(x[bi, hi, j]) - lo) / max(hi_ - lo, 1e-12) for j in idx}
+
+    score = torch.full((b, h, s), float("-inf"), dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            idx = [j for j in range(s) if valid[bi, hi, j]]
+            mi, mr = minmax(imp, bi, hi, idx), minmax(red, bi, hi, idx)
+            for j in idx:
+                score[bi, hi, j] = pol.mix * mi[j] - (1 - pol.mix) * mr[j]
+    return score, _loop_keep(score, valid, positions, budget, pol.sink, pol.window)
+
+
+@given(kv(max_s=14), st.sampled_from([1, 3, 64]))
+@settings(max_examples=25)
+def test_rkv_chunked_redundancy_and_kept_set_equal_loop(data, chunk):
+    from hypothesis import assume
+
+    from sparsecorr.decoding.policies import key_redundancy
+
+    keys, queries, valid, positions, budget = data
+    red = key_redundancy(keys, valid, chunk=chunk)
+    assert torch.isfinite(red).all() and (red[~valid] == 0).all()
+    pol = RKV(window=queries.shape[2], kernel=3, buffer=0)
+    score, expect = _loop_rkv_keep(keys, queries, valid, positions, budget, pol)
+    for bi in range(score.shape[0]):  # tie-free inputs only (a near-tie may flip at 1e-7)
+        for hi in range(score.shape[1]):
+            v = sorted(float(x) for x in score[bi, hi] if x > float("-inf"))
+            assume(all(b - a > 1e-5 for a, b in itertools.pairwise(v)))
+    got = pol.score(keys=keys, queries=queries, valid=valid, positions=positions)
+    torch.testing.assert_close(torch.where(valid, got.double(), 0.0), torch.where(valid, score, 0.0),
+                               atol=1e-5, rtol=0)
+    keep = compress(pol, keys=keys, queries=queries, valid=valid, positions=positions, budget=budget)
+    assert _kept_positions(keep, positions) == expect
+
+
+@given(kv(max_s=40), st.sampled_from([2, 4]), st.integers(1, 2), st.data())
+@settings(max_examples=30)
+def test_block_topk_page_summaries_select_what_the_rescan_selects(data, page, keep_last, draw):
+    """Scoring pages from running summaries (mean key of each complete page) gives the rescan
+    rule's selection, for every query of a chunk (per-query budgets and current pages)."""
+    from sparsecorr.decoding.policies.block_topk import page_means, pages_to_mask, select_pages
+
+    keys, queries, _, _, _ = data
+    b, h, s, _ = keys.shape
+    pol = BlockTopK(page_size=page, keep_first_pages=1, keep_last_pages=keep_last, dense_layers=0)
+    n_pages = -(-s // page)
+    padded = torch.nn.functional.pad(keys, (0, 0, 0, n_pages * page - s))
+    summ = page_means(padded, page_size=page)
+    q_len = queries.shape[2]
+    slots = torch.tensor([[s - q_len + i for i in range(q_len)]] * b).clamp(min=0)
+    budgets = torch.tensor([[draw.draw(st.integers(1, s)) for _ in range(q_len)] for _ in range(b)])
+    pages, ok = select_pages(pol, summaries=summ, query=queries, slots=slots, budgets=budgets, k=n_pages)
+    mask = pages_to_mask(pages, ok, page_size=page, slots=s)
+    pos = torch.arange(s).expand(b, h, s)
+    for i in range(q_len):
+        for bi in range(b):
+            sl = int(slots[bi, i])
+            valid = (pos[bi:bi + 1] <= sl)
+            want = pol.attend_mask(keys=keys[bi:bi + 1], query=queries[bi:bi + 1, :, i:i + 1], valid=valid,
+                                   positions=pos[bi:bi + 1], budget=int(budgets[bi, i]), layer_idx=0)
+            assert torch.equal(mask[bi, :, i] & valid[0], want[0]), (bi, i)  # engine: & causal

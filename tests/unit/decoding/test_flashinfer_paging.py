@@ -130,3 +130,26 @@ def test_flashinfer_never_imported_with_the_package():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_generate_asks_for_flashinfer_where_it_cannot_run(monkeypatch):
+    from sparsecorr.decoding import RKV, generate
+    from sparsecorr.decoding.backends import TorchBackend, get_backend
+    from sparsecorr.decoding.backends import flashinfer as fi
+    from tests.models import tiny_model
+
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailableError, match="needs a CUDA GPU"):
+            generate(tiny_model("qwen3"), torch.ones(1, 3, dtype=torch.long), policy=RKV(), budget=8,
+                     max_new_tokens=2, backend="flashinfer")
+    # pretend FlashInfer can run: the model's device and dtype still decide
+    monkeypatch.setattr(fi, "require_flashinfer", lambda: None)
+    monkeypatch.setattr(fi, "flashinfer_status", lambda: (True, "ok"))
+    with pytest.raises(BackendUnavailableError, match="the model is on cpu"):
+        get_backend("flashinfer", device="cpu")
+    with pytest.raises(BackendUnavailableError, match="bf16 or fp16"):
+        get_backend("flashinfer", device="cuda", dtype=torch.float32)
+    assert get_backend("flashinfer", device="cuda", dtype=torch.bfloat16).name == "flashinfer"
+    assert get_backend("auto", device="cuda", dtype=torch.bfloat16).name == "flashinfer"
+    assert isinstance(get_backend("auto", device="cuda", dtype=torch.float32), TorchBackend)
+    assert isinstance(get_backend("auto", device="cpu", dtype=torch.bfloat16), TorchBackend)

@@ -79,3 +79,21 @@ def test_kl_penalty_with_and_without_bias_correction(bias_correction):
     torch.testing.assert_close(out.loss, want)
     torch.testing.assert_close(lp.grad, torch.where(mask, lp2.grad, 0.0))
     assert "loss/kl_ref_k3_mean" in out.metrics
+
+
+def test_gspo_bias_corrected_kl_uses_the_sequence_ratio():
+    logp, old, ref, mask, adv = _batch(3)
+    beta = 0.05
+    lp = logp.clone().requires_grad_()
+    out = sparse_grpo(lp, old, adv, mask, surrogate=GSPO(), ref_logp=ref,
+                      kl=KLPenalty(beta, bias_correction=True))
+    out.loss.backward()
+    lp2 = logp.clone().requires_grad_()
+    base = sparse_grpo(lp2, old, adv, mask, surrogate=GSPO()).loss
+    d = ref - lp2
+    k3 = torch.exp(d) - d - 1
+    seq = torch.exp(((lp2 - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True))
+    want = base + beta * _token_mean(k3 * seq, mask)
+    want.backward()
+    torch.testing.assert_close(out.loss, want)
+    torch.testing.assert_close(lp.grad, torch.where(mask, lp2.grad, 0.0))

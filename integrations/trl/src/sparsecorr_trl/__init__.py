@@ -13,11 +13,11 @@ from typing import Any
 #: public name -> submodule that defines it
 _EXPORTS = {
     "SparseCorrCallback": "sparsecorr_trl.callback",
-    "AGGREGATION_BY_LOSS_TYPE": "sparsecorr_trl.config",
     "SparseCorrConfig": "sparsecorr_trl.config",
-    "validate_grpo_args": "sparsecorr_trl.config",
+    "AGGREGATION_BY_LOSS_TYPE": "sparsecorr_trl.loss",
+    "check_trl_version": "sparsecorr_trl.options",
+    "validate_grpo_args": "sparsecorr_trl.options",
     "SparseGRPOTrainer": "sparsecorr_trl.trainer",
-    "check_trl_version": "sparsecorr_trl.trainer",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,8 +1,9 @@
 r"""``SparseCorrCallback``: drives a ``TailController`` and keeps its schedule with checkpoints.
 
-The trainer feeds it the per-token acceptance \(a_t = \min(1, \pi_\text{old}/\pi_\text{rollout})\)
-of each batch that carries sampler log-probs (``observe``); at every optimizer step the
-controller updates the budget schedule (Sparrow's tail rule, Dong et al. 2026), the per-bin
+The trainer feeds it the per-token acceptance \(\alpha_t = 1 - \mathrm{TV}(p_t, q_t)\) between
+the dense and the sparse sampler's next-token distributions (top-k bound, the statistic
+calibration measures; ``sparsecorr_trl.score``) of every generation batch (``observe``); at
+every optimizer step the controller updates the budget schedule (Sparrow's tail rule, Dong et al. 2026), the per-bin
 budgets are logged as ``sparsecorr/schedule/bin_<i>``, the per-bin tail profile as
 ``sparsecorr/tail/bin_<i>``, and the controller state is written to
 ``<checkpoint>/sparsecorr_controller.json`` on save and restored on resume.

@@ -54,21 +54,38 @@ def sampling_kwargs(args) -> dict:
             "top_p": None if top_p is None or top_p >= 1.0 else float(top_p)}
 
 
+@dataclass(frozen=True)
+class SparseRollouts:
+    """What `sparse_rollouts` returns.
+
+    Attributes:
+        completions: completion token ids per rollout.
+        logprobs: the sampler's log-prob of every completion token.
+        stats: per-call statistics.
+        topk_logp: ``[B, T, k]`` the sampler's top-k log-probs at every completion position
+            (``-inf`` padded), or None when ``logprobs_topk=0``.
+        topk_ids: ``[B, T, k]`` their token ids, or None.
+    """
+
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    stats: RolloutStats
+    topk_logp: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+
+
 def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_new_tokens: int,
                     eos_token_id, pad_token_id: int, generator: torch.Generator,
-                    sampling: dict) -> tuple[list[list[int]], list[list[float]], RolloutStats]:
-    """Sample one completion per prompt with the sparse sampler.
-
-    Returns:
-        completion ids per rollout, the sampler's log-prob per completion token, statistics.
-    """
+                    sampling: dict, logprobs_topk: int = 0) -> SparseRollouts:
+    """Sample one completion per prompt with the sparse sampler (and record its top-k
+    log-probs, for the acceptance rate, when ``logprobs_topk > 0``)."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("prompt_ids: expected non-empty token id lists, got an empty prompt")
     ids, mask = _pad(prompt_ids, pad_token_id)
     with eval_mode(model):
         batch = generate(model, ids, mask, policy=policy, budget=budget,
                          max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                         generator=generator, logprobs_topk=0, **sampling)
+                         generator=generator, logprobs_topk=logprobs_topk, **sampling)
     lengths = batch.lengths.tolist()
     completions = [batch.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
     logprobs = [batch.rollout_logp[i, :n].tolist() for i, n in enumerate(lengths)]
@@ -80,4 +97,5 @@ def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_n
         peak_kv_bytes=int(batch.peak_kv_bytes),
         mean_budget=float(budget_t[budget_t >= 0].mean()) if bool((budget_t >= 0).any()) else -1.0,
         mean_kv_kept=float(batch.kv_kept[gen].mean()) if bool(gen.any()) else 0.0)
-    return completions, logprobs, stats
+    top = (batch.topk_logp, batch.topk_ids) if logprobs_topk > 0 else (None, None)
+    return SparseRollouts(completions, logprobs, stats, *top)

@@ -1,12 +1,13 @@
-"""The decoding backend interface: attention of new queries over the kept (or selected) KV.
+r"""The decoding backend interface: attention of new queries over the kept (or selected) KV.
 
 The engine owns the cache, the policies and sampling; a backend only computes
 
-\\[ o = \\mathrm{softmax}\\big(s \\, q k^\\top + \\log \\mathbb{1}[\\text{allowed}]\\big)\\, v \\]
+\[ o = \mathrm{softmax}\big(s \, q k^\top + \log \mathbb{1}[\text{allowed}]\big)\, v \]
 
 for each query head over the KV slots it may attend to (GQA: query head ``h`` reads KV head
-``h // G``). ``torch_ref`` is the float32 oracle on CPU and CUDA; the FlashInfer backend
-(GPU) reads the same kept sets through page tables (`.paging`).
+``h // G``). ``torch`` runs it with ``scaled_dot_product_attention`` in the model's dtype (CPU
+and CUDA), ``reference`` in float32 with explicit einsums (the oracle), and the FlashInfer
+backend (GPU) runs decode steps through paged kernels (`.paged`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,18 @@ __all__ = ["AttentionBackend"]
 class AttentionBackend(Protocol):
     """What a decoding backend implements.
 
+    ``allowed`` is ``None`` (every slot) or a bool mask broadcastable to ``[B, H_kv, Q, S]``
+    (the engine passes ``[B, 1, Q, S]`` when every KV head reads the same slots). A backend
+    that also defines ``paged = True`` and the methods of
+    [`PagedBackend`][sparsecorr.decoding.backends.paged.PagedBackend] reads single-token
+    decode steps through page tables instead.
+
     Shapes:
-        query: ``[B, H_q, Q, D]``; key, value: ``[B, H_kv, S, D]``; allowed: ``[B, H_kv, Q, S]``
-        bool -> output ``[B, H_q, Q, D]`` in the query's dtype.
+        query: ``[B, H_q, Q, D]``; key, value: ``[B, H_kv, S, D]`` -> output ``[B, H_q, Q, D]``
+        in the query's dtype.
     """
 
     name: str
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               allowed: torch.Tensor, *, scaling: float) -> torch.Tensor: ...
+               allowed: torch.Tensor | None, *, scaling: float) -> torch.Tensor: ...

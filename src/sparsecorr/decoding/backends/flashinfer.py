@@ -1,15 +1,17 @@
 """FlashInfer decode backend (GPU). Imported lazily: never at ``import sparsecorr``.
 
 The kept set of every (sequence, KV head) is expressed as a page table
-(`sparsecorr.decoding.backends.paging`): page size 1 for token-level eviction policies,
-16 for BlockTopK. One `FlashInferDecode.plan` per decode step is shared by every layer
-(the kept sets of all layers have the same lengths after a compression event), and
-``use_tensor_cores`` is switched on for GQA group sizes FlashInfer's CUDA-core decode kernels do
+(`sparsecorr.decoding.backends.paging`) over the engine's KV pool, whose per-layer
+``[B, H_kv, C, D]`` buffer is a FlashInfer NHD page pool with one KV head per request.
+``generate(..., backend="flashinfer")`` wraps `FlashInferDecode` in
+[`PagedBackend`][sparsecorr.decoding.backends.paged.PagedBackend]: one ``plan`` per decode step
+shared by all layers, per-layer page ids written into the planned table (BlockTopK), and
+``use_tensor_cores`` switched on for GQA group sizes FlashInfer's CUDA-core decode kernels do
 not specialise (e.g. 7), as FlashInfer recommends.
 
-Status: the page-table construction, availability checks and error messages are tested on CPU;
-the kernel wrapper below needs a CUDA GPU and the ``flashinfer-python`` package and is
-exercised by ``tests/gpu/`` (marker ``gpu``) on such a machine only.
+Status: the page tables, the plan/run protocol and the engine's use of them are tested on CPU
+with the float32 paged oracle standing in for the kernel; the kernel itself needs a CUDA GPU
+and the ``flashinfer-python`` package and is exercised by ``tests/gpu/`` (marker ``gpu``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "INSTALL_HINT",
     "BackendUnavailableError",
     "FlashInferDecode",
+    "flashinfer_backend",
     "flashinfer_status",
     "needs_tensor_cores",
     "require_flashinfer",
@@ -77,6 +80,8 @@ class FlashInferDecode:
         head_dim: head dimension (64 or 128).
         workspace_bytes: FlashInfer's float workspace (128 MiB default, as its examples).
         use_tensor_cores: force the tensor-core kernel; default: `needs_tensor_cores`.
+        graph_buffers: ``(indptr [R + 1], indices [>= nnz], last_page_len [R])`` int32 device
+            buffers for CUDA-graph mode (fixed R; ``plan`` copies each table into them).
 
     Shapes:
         run(q ``[R, G, D]``, k_pool/v_pool ``[P, page_size, D]``) -> out ``[R, G, D]``,
@@ -91,14 +96,19 @@ class FlashInferDecode:
         head_dim: int,
         workspace_bytes: int = 128 * 1024 * 1024,
         use_tensor_cores: bool | None = None,
+        graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         flashinfer = require_flashinfer()
         self.device = torch.device(device)
         self.group_size, self.head_dim = group_size, head_dim
         tc = needs_tensor_cores(group_size) if use_tensor_cores is None else use_tensor_cores
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        graph = {}
+        if graph_buffers is not None:  # fixed indptr / indices / last_page_len: CUDA-graph mode
+            graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=graph_buffers[0],
+                         paged_kv_indices_buffer=graph_buffers[1], paged_kv_last_page_len_buffer=graph_buffers[2])
         self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=tc
+            workspace, "NHD", use_tensor_cores=tc, **graph
         )
         self.use_tensor_cores = tc
 
@@ -124,3 +134,13 @@ class FlashInferDecode:
         kv = (k_pool.unsqueeze(2), v_pool.unsqueeze(2))  # NHD pages: [P, page_size, 1, D]
         out, lse2 = self._wrapper.run(q, kv, return_lse=True)
         return out, lse2.float() * math.log(2.0)
+
+
+def flashinfer_backend():
+    """The ``backend="flashinfer"`` decoding backend: FlashInfer paged decode kernels for
+    single-token steps, SDPA for prefill and teacher-forced chunks. Raises
+    `BackendUnavailableError` saying what is missing."""
+    from .paged import PagedBackend
+
+    require_flashinfer()
+    return PagedBackend(FlashInferDecode, name="flashinfer")

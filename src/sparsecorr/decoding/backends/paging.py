@@ -25,7 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PageTable", "page_table_from_keep", "page_table_from_mask", "paged_attention_reference"]
+__all__ = [
+    "PageTable",
+    "dense_page_table",
+    "page_table_from_keep",
+    "page_table_from_mask",
+    "paged_attention_reference",
+    "scatter_selected_pages",
+]
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,53 @@ def _csr(counts: torch.Tensor) -> torch.Tensor:
     indptr = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
     indptr[1:] = counts.cumsum(0).to(torch.int32)
     return indptr
+
+
+def dense_page_table(lengths: torch.Tensor, *, heads: int, pages_per_row: int, page_size: int,
+                     device: torch.device | str) -> PageTable:
+    """Table of a paged pool read from slot 0 to each row's length (a compact or dense cache).
+
+    The pool is the engine's ``[B, H_kv, pages_per_row · page_size, D]`` K (or V) buffer seen as
+    ``B · H_kv · pages_per_row`` pages; request ``r = b · H_kv + h`` reads pages
+    ``r · pages_per_row + 0 … ⌈length_b / page_size⌉ - 1``. ``indptr`` and ``last_page_len``
+    are built on the host from the host-side ``lengths`` (known to the engine without a device
+    sync); ``indices`` is built on ``device`` with a sized ``repeat_interleave`` (no sync).
+
+    Shapes:
+        lengths: ``[B]`` (CPU, each >= 1) -> ``R = B · H_kv`` requests.
+    """
+    lengths = lengths.long().cpu()
+    n_pages = (lengths + page_size - 1) // page_size
+    counts = n_pages.repeat_interleave(heads)
+    indptr = _csr(counts)
+    nnz = int(indptr[-1])
+    req = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts.to(device),
+                                  output_size=nnz)
+    k = torch.arange(nnz, device=device) - indptr[:-1].to(device).long()[req]
+    return PageTable(indptr=indptr, indices=(req * pages_per_row + k).to(torch.int32),
+                     last_page_len=(lengths - (n_pages - 1) * page_size).repeat_interleave(heads).to(torch.int32),
+                     page_size=page_size)
+
+
+def scatter_selected_pages(buffer: torch.Tensor, indptr: torch.Tensor, pages: torch.Tensor,
+                           ok: torch.Tensor, *, pages_per_row: int) -> None:
+    """Write a selection's page ids into a table's ``indices`` buffer, in place, on its device.
+
+    Request ``r``'s ``ok`` pages are the first ones of its (ascending) ``pages`` row and go to
+    ``buffer[indptr[r] : indptr[r + 1]]``; the rest go to the dump entry ``buffer[-1]``. The
+    counts of ``ok`` must match ``indptr`` (the engine derives both from the same keep counts).
+
+    Shapes:
+        buffer ``[nnz + 1]`` int32; indptr ``[R + 1]`` (on buffer's device); pages, ok
+        ``[B, H_kv, K]`` with ``R = B · H_kv``.
+    """
+    r = pages.shape[0] * pages.shape[1]
+    flat, okf = pages.reshape(r, -1), ok.reshape(r, -1)
+    rows = torch.arange(r, device=pages.device)[:, None]
+    pos = indptr[:-1].long()[:, None] + torch.arange(flat.shape[1], device=pages.device)
+    pos = torch.where(okf, pos, buffer.numel() - 1)
+    vals = torch.where(okf, rows * pages_per_row + flat, 0).to(buffer.dtype)
+    buffer.scatter_(0, pos.reshape(-1), vals.reshape(-1))
 
 
 def page_table_from_keep(index: torch.Tensor, valid: torch.Tensor, *, slots: int) -> PageTable:

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from .base import KeepSet, KVPolicy, compress, group_scores
-from .block_topk import BlockTopK
+from .block_topk import BlockTopK, keep_counts, page_means, pages_to_mask, select_pages
 from .dense import Dense
 from .rkv import RKV, key_redundancy
 from .snapkv import SnapKV, pool_scores
@@ -23,7 +23,7 @@ POLICIES = {p.name: p for p in (Dense, StreamingLLM, SnapKV, RKV, BlockTopK)}
 
 def get_policy(name: str, **kwargs: object) -> KVPolicy:
     """A policy by name (``dense``, ``streaming_llm``, ``snapkv``, ``rkv``, ``block_topk``)."""
-    if name not in POLICIES:
+    if not isinstance(name, str) or name not in POLICIES:
         raise ValueError(f"name: expected one of {sorted(POLICIES)}, got {name!r}")
     try:
         return POLICIES[name](**kwargs)
@@ -33,5 +33,6 @@ def get_policy(name: str, **kwargs: object) -> KVPolicy:
 
 __all__ = [
     "POLICIES", "RKV", "BlockTopK", "Dense", "KVPolicy", "KeepSet", "SnapKV", "StreamingLLM",
-    "compress", "get_policy", "group_scores", "key_redundancy", "pool_scores",
+    "compress", "get_policy", "group_scores", "keep_counts", "key_redundancy", "page_means",
+    "pages_to_mask", "pool_scores", "select_pages",
 ]

@@ -19,9 +19,15 @@ from typing import ClassVar, Literal
 
 import torch
 
-__all__ = ["KVPolicy", "KeepSet", "compress", "group_scores"]
+__all__ = ["KVPolicy", "KeepSet", "check_int", "compress", "group_scores"]
 
 Kind = Literal["dense", "eviction", "selection"]
+
+
+def check_int(name: str, value: object, *, minimum: int) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,10 @@ class KVPolicy:
         return self.kind == "eviction"
 
     def score(self, *, keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
-              positions: torch.Tensor) -> torch.Tensor:
+              positions: torch.Tensor, query_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-slot scores ``[B, H_kv, S]`` (higher = keep). ``query_valid [B, W]`` marks which
+        observation-window queries are real (None = all; a row that has seen fewer than W tokens
+        has fewer)."""
         raise NotImplementedError(f"{type(self).__name__} does not score tokens")
 
 
@@ -53,11 +62,13 @@ class KeepSet:
     valid: torch.Tensor
 
 
-def group_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def group_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
+                 query_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the observation-window queries to the keys, summed over the window and
     averaged over the query heads of each KV group: ``[B, H_kv, S]`` (SnapKV's importance).
 
-    Softmax over valid keys only, in float32.
+    Softmax over valid keys only, in float32; window queries with ``query_valid`` False
+    (``[B, W]``) do not vote.
     """
     b, hq, w, d = queries.shape
     hkv = keys.shape[1]
@@ -66,6 +77,8 @@ def group_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor)
     logits = torch.einsum("bhgwd,bhsd->bhgws", q, keys.float()) * d**-0.5
     logits = logits.masked_fill(~valid[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    if query_valid is not None:
+        probs = probs * query_valid[:, None, None, :, None].to(probs.dtype)
     return probs.sum(dim=3).mean(dim=2)
 
 
@@ -82,21 +95,25 @@ def _protected(policy: KVPolicy, valid: torch.Tensor, positions: torch.Tensor) -
 
 
 def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
-             positions: torch.Tensor, budget: int | torch.Tensor) -> KeepSet:
+             positions: torch.Tensor, budget: int | torch.Tensor,
+             query_valid: torch.Tensor | None = None) -> KeepSet:
     """Keep the ``budget`` best-scored valid slots of every (sequence, KV head).
 
     Sinks and the recent window always survive; invalid slots never do; equal scores are
     broken in favour of the more recent position. The budget is a hard cap: if it is smaller
     than ``sink + window``, the most recent protected tokens are the ones kept. ``budget`` may be a
-    ``[B]`` tensor (one budget per sequence, e.g. from a schedule).
+    ``[B]`` tensor (one budget per sequence, e.g. from a schedule). ``query_valid`` (``[B, W]``)
+    marks the real observation-window queries; it is passed to ``policy.score`` only when given.
 
     Returns:
         `KeepSet` with ``K = max budget`` columns, sorted by position.
     """
     b, _, s = valid.shape
-    budgets = torch.as_tensor(budget, device=valid.device).reshape(-1).expand(b).long()
-    k = int(min(int(budgets.max()), s))
-    scores = policy.score(keys=keys, queries=queries, valid=valid, positions=positions).double()
+    budgets = torch.as_tensor(budget).reshape(-1).long()
+    k = int(min(int(budgets.max()), s))  # no device sync when budget is an int or a CPU tensor
+    budgets = budgets.to(valid.device).expand(b)
+    extra = {} if query_valid is None else {"query_valid": query_valid}
+    scores = policy.score(keys=keys, queries=queries, valid=valid, positions=positions, **extra).double()
     # ties (frequent after max pooling) go to the more recent token, by true position, so the
     # kept set does not depend on where a row's tokens sit in the slot axis (padding, batching)
     scores = scores + positions.double() * 1e-12

@@ -13,9 +13,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import Kind, KVPolicy, group_scores
+from .base import Kind, KVPolicy, check_int, group_scores
 
-__all__ = ["SnapKV", "pool_scores"]
+__all__ = ["SnapKV", "check_window_policy", "pool_scores"]
 
 
 def pool_scores(scores: torch.Tensor, *, kernel: int, pooling: str) -> torch.Tensor:
@@ -30,6 +30,16 @@ def pool_scores(scores: torch.Tensor, *, kernel: int, pooling: str) -> torch.Ten
     else:
         y = F.avg_pool1d(F.pad(x, (pad, pad), value=0.0), kernel, stride=1)
     return y.reshape(b, h, -1)[..., :s]
+
+
+def check_window_policy(policy: KVPolicy) -> None:
+    """The arguments every observation-window policy (SnapKV, R-KV) shares."""
+    check_int("window", policy.window, minimum=1)
+    check_int("sink", policy.sink, minimum=0)
+    check_int("buffer", policy.buffer, minimum=0)
+    if isinstance(policy.kernel, bool) or not isinstance(policy.kernel, int) or policy.kernel < 1 \
+            or policy.kernel % 2 == 0:
+        raise ValueError(f"kernel: expected an odd positive int, got {policy.kernel!r}")
 
 
 @dataclass(frozen=True)
@@ -47,9 +57,8 @@ class SnapKV(KVPolicy):
     def __post_init__(self) -> None:
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"pooling: expected 'max' or 'avg', got {self.pooling!r}")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel: expected an odd positive int, got {self.kernel!r}")
+        check_window_policy(self)
 
-    def score(self, *, keys, queries, valid, positions) -> torch.Tensor:
-        imp = group_scores(queries, keys, valid)
+    def score(self, *, keys, queries, valid, positions, query_valid=None) -> torch.Tensor:
+        imp = group_scores(queries, keys, valid, query_valid)
         return pool_scores(imp.masked_fill(~valid, 0.0), kernel=self.kernel, pooling=self.pooling)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Kind, KVPolicy
+from .base import Kind, KVPolicy, check_int
 
 __all__ = ["StreamingLLM"]
 
@@ -18,7 +18,9 @@ class StreamingLLM(KVPolicy):
 
     Eviction; cost O(1) per step beyond the kept window. ``window`` is the always-kept recent
     span (the score already prefers recent tokens); ``buffer`` tokens may accumulate before a
-    compression event.
+    compression event. With ``buffer=0`` (the paper's rule: exactly ``budget`` tokens attended)
+    the cache is compressed after every token, so teacher forcing replays it one token per
+    forward; a buffer of 64-128 lets it replay in chunks.
     """
 
     name: ClassVar[str] = "streaming_llm"
@@ -27,5 +29,10 @@ class StreamingLLM(KVPolicy):
     window: int = 0
     buffer: int = 0
 
-    def score(self, *, keys, queries, valid, positions) -> torch.Tensor:
+    def __post_init__(self) -> None:
+        check_int("sink", self.sink, minimum=0)
+        check_int("window", self.window, minimum=0)
+        check_int("buffer", self.buffer, minimum=0)
+
+    def score(self, *, keys, queries, valid, positions, query_valid=None) -> torch.Tensor:
         return positions.float()

@@ -1,0 +1,225 @@
+r"""The three loops over the [`Engine`][sparsecorr.decoding.engine.Engine]: prefill, sampling
+(``generate``) and chunked teacher forcing (``teacher_forced_logprobs``).
+
+Per-step records stay on the device (tokens, log-probs, top-k) or are computed on the host
+(budgets, attended KV), so a decode step syncs the host once, for the EOS check, and not at all
+without an EOS token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..mismatch import truncate_logits
+from .engine import Engine
+
+__all__ = ["Sampling", "decode_loop", "forced_loop", "prefill", "sample"]
+
+_BLOCK = 1 << 24  # float32 logits elements processed at once when scoring a chunk
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    k: int  # recorded top-k (0 = none)
+    generator: torch.Generator | None
+
+
+def sample(logits: torch.Tensor, samp: Sampling, forced: torch.Tensor | None = None):
+    """Next token, its log-prob and the top-k, all from the processed distribution.
+
+    Temperature first, then top-k, then top-p (as transformers and vLLM do); ``temperature=0``
+    is greedy with the untempered log-probs.
+
+    Shapes:
+        logits ``[N, V]``; forced ``[N]`` -> token ``[N]``, log-prob ``[N]`` float32, top-k
+        (values, indices) ``[N, k]`` or None.
+    """
+    z = logits.float()
+    if samp.temperature > 0:
+        z = truncate_logits(z / samp.temperature, samp.top_k, samp.top_p)
+    logp_all = torch.log_softmax(z, dim=-1)
+    if forced is not None:
+        tok = forced
+    elif samp.temperature > 0:
+        tok = torch.multinomial(logp_all.exp(), 1, generator=samp.generator).squeeze(1)
+    else:
+        tok = logp_all.argmax(-1)
+    top = logp_all.topk(min(samp.k, logp_all.shape[-1]), dim=-1) if samp.k > 0 else None
+    return tok, logp_all.gather(1, tok[:, None]).squeeze(1), top
+
+
+def prefill(engine: Engine, ids: torch.Tensor, lens: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Feed right-aligned prompts in chunks; logits at each row's last prompt token.
+
+    Only the positions where some row's prompt ends are projected onto the vocabulary. Eviction
+    policies compress between chunks.
+
+    Shapes:
+        ids ``[B, P]`` (device); lens ``[B]`` (CPU, each >= 1) -> logits ``[B, V]``.
+    """
+    b, p = ids.shape
+    dev = engine.device
+    last = None
+    for c0 in range(0, p, chunk):
+        c1 = min(p, c0 + chunk)
+        real = (lens - c0).clamp(0, c1 - c0)
+        end = lens - 1 - c0
+        ending = (end >= 0) & (end < c1 - c0)
+        cols = torch.unique(end[ending]) if bool(ending.any()) else torch.tensor([c1 - c0 - 1])
+        out = engine.feed(ids[:, c0:c1], real, decode=False, logits_to_keep=cols.to(dev))
+        if bool(ending.any()):
+            rows = ending.nonzero().squeeze(1)
+            got = out.logits[rows.to(dev), torch.searchsorted(cols, end[rows]).to(dev)]
+            last = got.new_zeros(b, got.shape[-1]) if last is None else last
+            last = last.index_put((rows.to(dev),), got)
+        engine.compress_due()
+    return last
+
+
+class _Records:
+    """Per-step outputs of ``generate`` for the original rows (device tensors + host stats)."""
+
+    def __init__(self, b: int, t: int, k: int, device: torch.device) -> None:
+        self.tok = torch.zeros(b, t, dtype=torch.long, device=device)
+        self.logp = torch.zeros(b, t, device=device)
+        self.tk = torch.full((b, t, k), float("-inf"), device=device)
+        self.ti = torch.zeros(b, t, k, dtype=torch.long, device=device)
+        self.length = torch.zeros(b, dtype=torch.long)
+        self.budget = torch.full((b, t), -1, dtype=torch.long)
+        self.kept = torch.zeros(b, t)
+        self.finish = ["length"] * b
+        self.pruned = torch.zeros(b, dtype=torch.bool)
+        self.pruned_at = torch.full((b,), -1, dtype=torch.long)
+
+    def fields(self) -> dict:
+        t = self.tok.shape[1]
+        made = torch.arange(t)[None] < self.length[:, None]
+        return dict(tokens=self.tok, mask=made & ~self.pruned[:, None], lengths=self.length,
+                    rollout_logp=torch.where(made.to(self.logp.device), self.logp, 0.0), topk_logp=self.tk,
+                    topk_ids=self.ti, budget=self.budget, kv_kept=self.kept, finish_reason=tuple(self.finish),
+                    pruned=self.pruned, pruned_at=self.pruned_at)
+
+
+def _prune(engine, pruner, hidden, active, rec, *, group_size, step):
+    """ARRoL decision at the detection length: drop the rows the pruner cuts."""
+    decision = pruner.decide(hidden, group_size=group_size).cpu()
+    cut = ~decision[active]
+    rec.pruned[active[cut]] = True
+    rec.pruned_at[active[cut]] = step
+    for r in active[cut].tolist():
+        rec.finish[r] = "pruned"
+    return ~cut
+
+
+def decode_loop(engine: Engine, logits: torch.Tensor, *, prompt_len: torch.Tensor, steps: int,
+                samp: Sampling, eos, pruner, group_size, bar) -> dict:
+    """Sample ``steps`` tokens per row (fewer for rows that stop); returns RolloutBatch fields."""
+    b, dev = logits.shape[0], engine.device
+    rec = _Records(b, steps, samp.k, dev)
+    eos_t = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=dev)
+    hidden = None if pruner is None else torch.zeros(b, pruner.window, engine.model.config.hidden_size, device=dev)
+    active = torch.arange(b)
+    for t in range(steps):
+        rows = active.to(dev, non_blocking=True)
+        tok, lp, top = sample(logits, samp)
+        rec.tok[rows, t], rec.logp[rows, t] = tok, lp
+        if top is not None:
+            rec.tk[rows, t], rec.ti[rows, t] = top.values, top.indices
+        rec.length[active] += 1
+        rec.budget[active, t] = engine.budget_at(prompt_len[active] + t)
+        done = torch.zeros(len(active), dtype=torch.bool)
+        if eos_t is not None:
+            done = torch.isin(tok, eos_t).cpu()
+            for r in active[done].tolist():
+                rec.finish[r] = "eos"
+        bar.update(1)
+        if t + 1 == steps or bool(done.all()):
+            break
+        if bool(done.any()):
+            keep = engine.select_rows(~done)
+            active, tok = active[keep], tok[keep.to(dev)]
+        slot = None if pruner is None else t - (pruner.detect_len - pruner.window)
+        want_hidden = slot is not None and 0 <= slot < pruner.window
+        out = engine.feed(tok[:, None], torch.ones(len(active), dtype=torch.long), decode=True,
+                          logits_to_keep=1, hidden=want_hidden)
+        logits = out.logits[:, -1]
+        rec.kept[active, t] = engine.attended(1)[:, 0]
+        if want_hidden:  # hidden states of generated tokens detect_len - window ... detect_len - 1
+            hidden[active.to(dev), slot] = out.hidden_states[pruner.layer][:, -1].float()
+        if pruner is not None and t + 1 == pruner.detect_len:
+            keep = _prune(engine, pruner, hidden, active, rec, group_size=group_size, step=t + 1)
+            if not bool(keep.any()):
+                break
+            if not bool(keep.all()):
+                rows_kept = engine.select_rows(keep)
+                active, logits = active[rows_kept], logits[rows_kept.to(dev)]
+        engine.compress_due()
+    return rec.fields()
+
+
+def _score(logits: torch.Tensor, tokens: torch.Tensor, samp: Sampling):
+    """Log-probs (and top-k) of forced ``tokens [b, n]`` from ``logits [b, n, V]``, in blocks."""
+    b, n, v = logits.shape
+    flat, toks = logits.reshape(b * n, v), tokens.reshape(b * n)
+    step = max(1, _BLOCK // v)
+    parts = [sample(flat[i:i + step], samp, toks[i:i + step]) for i in range(0, b * n, step)]
+    lp = torch.cat([p[1] for p in parts]).reshape(b, n)
+    if samp.k == 0:
+        return lp, None
+    vals = torch.cat([p[2].values for p in parts]).reshape(b, n, -1)
+    idx = torch.cat([p[2].indices for p in parts]).reshape(b, n, -1)
+    return lp, (vals, idx)
+
+
+def forced_loop(engine: Engine, logits: torch.Tensor, forced: torch.Tensor, forced_len: torch.Tensor, *,
+                prompt_len: torch.Tensor, chunk: int, samp: Sampling, bar) -> dict:
+    """Replay ``forced [B, T]`` (row b: its first ``forced_len_b`` tokens) in chunks that end where
+    a compression is due; returns RolloutBatch fields."""
+    b, t_max = forced.shape
+    dev = engine.device
+    active = torch.arange(b)
+    pieces = [(active, 0, *_score(logits[:, None], forced[:, :1], samp))]
+    kept = torch.zeros(b, t_max)
+    t = 0
+    while True:
+        alive = forced_len[active] > t + 1
+        if not bool(alive.any()):
+            break
+        if not bool(alive.all()):
+            active = active[engine.select_rows(alive)]
+        rows = active.to(dev)
+        n = engine.tokens_until_compress(min(chunk, int(forced_len[active].max()) - 1 - t))
+        out = engine.feed(forced[rows, t:t + n], torch.full((len(active),), n), decode=True, logits_to_keep=0)
+        kept[active, t:t + n] = engine.attended(n)
+        pieces.append((active, t + 1, *_score(out.logits, forced[rows, t + 1:t + n + 1], samp)))
+        engine.compress_due()
+        t += n
+        bar.update(n)
+    return _assemble(pieces, forced, forced_len, kept, engine=engine, prompt_len=prompt_len, k=samp.k)
+
+
+def _assemble(pieces, forced, forced_len, kept, *, engine, prompt_len, k) -> dict:
+    b, t_max = forced.shape
+    dev = forced.device
+    logp = torch.zeros(b, t_max, device=dev)
+    tk = torch.full((b, t_max, k), float("-inf"), device=dev)
+    ti = torch.zeros(b, t_max, k, dtype=torch.long, device=dev)
+    for rows, t0, lp, top in pieces:
+        idx = (rows.to(dev)[:, None], torch.arange(t0, t0 + lp.shape[1], device=dev)[None])
+        logp = logp.index_put(idx, lp)
+        if top is not None:
+            tk, ti = tk.index_put(idx, top[0]), ti.index_put(idx, top[1])
+    mask = torch.arange(t_max)[None] < forced_len[:, None]
+    m = mask.to(dev)  # chunks run to the longest row: clear what lies past a row's end
+    logp, tk, ti = torch.where(m, logp, 0.0), torch.where(m[..., None], tk, float("-inf")), torch.where(m[..., None], ti, 0)
+    budget = torch.where(mask, engine.budget_at(prompt_len[:, None] + torch.arange(t_max)), -1)
+    fed = torch.arange(t_max)[None] < forced_len[:, None] - 1
+    return dict(tokens=torch.where(mask.to(dev), forced, 0), mask=mask, lengths=forced_len,
+                rollout_logp=logp, topk_logp=tk, topk_ids=ti, budget=budget,
+                kv_kept=torch.where(fed, kept, 0.0), finish_reason=("length",) * b,
+                pruned=torch.zeros(b, dtype=torch.bool), pruned_at=torch.full((b,), -1, dtype=torch.long))

@@ -1,0 +1,111 @@
+r"""The preallocated, paged KV pool the engine decodes into.
+
+Per layer the pool holds K and V as ``[B, H_kv, C + page, D]`` in the model's dtype, allocated
+once per ``generate`` call: ``C`` (a multiple of the page size) is the most slots a row can hold
+under its policy and budget (the engine works it out), and the extra page is a scratch area
+that padding tokens of a ragged chunk are written to. Row ``b``'s valid tokens always occupy
+slots ``[0, count_b)``; a decode step writes each row's token at its own ``count_b`` (an indexed
+write, no ``torch.cat``), and a compression event gathers the kept slots to the front. Seen as
+``[B · H_kv · (C / page + 1), page, D]`` each buffer is directly a paged-KV pool for a paged
+kernel (`sparsecorr.decoding.backends.paged`).
+
+Eviction policies also keep each slot's true position (``[B, H_kv, C + page]``: after eviction
+the heads keep different tokens) and the last ``window`` queries of every layer (a copy, so no
+layer's prefill query tensor stays alive); selection policies keep the mean key of every
+complete page (the page summaries). With autograd on (``grad=True``) every update is out of
+place, so earlier attention calls keep the tensors they read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KVPool"]
+
+
+class KVPool:
+    """Per-layer K/V buffers plus positions, observation windows and page summaries.
+
+    Shapes:
+        k[i], v[i]: ``[B, H_kv, C + page, D]``; pos[i]: ``[B, H_kv, C + page]`` long;
+        win[i]: ``[B, H_q, W, D]`` (oldest first); summ[i]: ``[B, H_kv, C / page + 1, D]``.
+    """
+
+    def __init__(self, *, layers: int, batch: int, kv_heads: int, q_heads: int, head_dim: int,
+                 capacity: int, page_size: int, dtype: torch.dtype, device: torch.device,
+                 positions: bool, window: int, summaries: bool, grad: bool) -> None:
+        self.page_size = page_size
+        self.capacity = -(-max(capacity, 1) // page_size) * page_size
+        self.scratch = self.capacity  # first slot of the scratch page
+        self.pages_per_row = self.capacity // page_size + 1
+        self.grad = grad
+        total = self.capacity + page_size
+        shape = (batch, kv_heads, total, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.pos = [torch.zeros(shape[:3], dtype=torch.long, device=device) for _ in range(layers)] \
+            if positions else None
+        self.win = [torch.zeros(batch, q_heads, window, head_dim, dtype=dtype, device=device)
+                    for _ in range(layers)] if window > 0 else None
+        self.summ = [torch.zeros(batch, kv_heads, self.pages_per_row, head_dim, dtype=dtype, device=device)
+                     for _ in range(layers)] if summaries else None
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every buffer the pool holds (K, V, positions, windows, summaries)."""
+        groups = [self.k, self.v, self.pos or [], self.win or [], self.summ or []]
+        return sum(t.numel() * t.element_size() for g in groups for t in g)
+
+    def slot_bytes(self) -> int:
+        """K + V bytes of one slot of one row over all layers and KV heads."""
+        k = self.k[0]
+        return 2 * len(self.k) * k.shape[1] * k.shape[3] * k.element_size()
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor) -> None:
+        """Write a chunk's K/V (and positions) at per-row ``slots``.
+
+        Shapes:
+            key, value ``[B, H_kv, Q, D]``; slots, positions ``[B, Q]`` (device, long).
+        """
+        b, h, q, d = key.shape
+        idx = slots[:, None, :, None].expand(b, h, q, d)
+        if self.grad:
+            self.k[layer] = self.k[layer].scatter(2, idx, key)
+            self.v[layer] = self.v[layer].scatter(2, idx, value)
+        else:
+            self.k[layer].scatter_(2, idx, key)
+            self.v[layer].scatter_(2, idx, value)
+        if self.pos is not None:
+            self.pos[layer].scatter_(2, idx[..., 0], positions[:, None, :].expand(b, h, q))
+
+    def push_queries(self, layer: int, query: torch.Tensor, real: torch.Tensor) -> None:
+        """Shift each row's last ``real_b`` queries of the chunk into its observation window.
+
+        Shapes:
+            query ``[B, H_q, Q, D]``; real ``[B]`` (device) real tokens of each row in the chunk.
+        """
+        win = self.win[layer]
+        b, hq, w, d = win.shape
+        both = torch.cat([win, query.detach().to(win.dtype)], dim=2)  # [B, H_q, W + Q, D]
+        idx = real[:, None] + torch.arange(w, device=win.device)  # newest real query last
+        win.copy_(both.gather(2, idx[:, None, :, None].expand(b, hq, w, d)))
+
+    def compact(self, layer: int, index: torch.Tensor) -> None:
+        """Move the kept slots ``index`` (``[B, H_kv, K]``, sorted by position) to the front."""
+        kk = index.shape[-1]
+        idx4 = index[..., None].expand(-1, -1, -1, self.k[layer].shape[-1])
+        for buf in (self.k, self.v):
+            kept = buf[layer].gather(2, idx4)
+            if self.grad:
+                buf[layer] = torch.cat([kept, buf[layer][:, :, kk:]], dim=2)
+            else:
+                buf[layer][:, :, :kk] = kept
+        if self.pos is not None:
+            self.pos[layer][:, :, :kk] = self.pos[layer].gather(2, index)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (device, long) in every buffer (one layer at a time, so
+        the transient extra memory is one layer's buffer)."""
+        for group in (self.k, self.v, self.pos, self.win, self.summ):
+            for i, t in enumerate(group or []):
+                group[i] = t.index_select(0, rows)

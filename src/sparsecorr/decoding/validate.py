@@ -1,0 +1,108 @@
+"""Argument checks of ``generate`` / ``teacher_forced_logprobs``, run before any model work.
+
+Every bad input raises a ``ValueError`` naming the argument, what was expected and what was
+given (sparsecorr's contract; see the guarantees in the decoding guide).
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral
+
+import torch
+
+from .policies import KVPolicy
+
+__all__ = ["budget_table", "check_run_args", "check_sampling", "check_token_ids", "vocab_size"]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def check_sampling(*, temperature: object, top_k: object, top_p: object) -> None:
+    """``temperature`` finite >= 0 (0 = greedy); ``top_k`` None or an int >= 1; ``top_p`` None
+    or a number in (0, 1] (1 = no truncation)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature: expected a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ValueError(f"top_k: expected None (no truncation) or an int >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p: expected None or a number in (0, 1] (1 = no truncation), got {top_p!r}")
+
+
+def vocab_size(model) -> int:
+    """Rows of the model's input embedding (the ids the model can read)."""
+    emb = model.get_input_embeddings()
+    return int(getattr(emb, "num_embeddings", None) or model.config.vocab_size)
+
+
+def check_token_ids(name: str, ids: object, *, vocab: int, mask: torch.Tensor | None = None,
+                    ndim: int = 2) -> torch.Tensor:
+    """An integer tensor with ``ndim`` dims whose (masked-in) ids lie in ``[0, vocab)``."""
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor of token ids, got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{name}: expected an integer tensor of token ids, got dtype {ids.dtype}")
+    if ids.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims [B, ...], got shape {tuple(ids.shape)}")
+    real = ids if mask is None else ids[mask.to(ids.device)]
+    if real.numel():
+        lo, hi = int(real.min()), int(real.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name}: expected token ids in [0, {vocab}) (the model's vocabulary), "
+                             f"got values in [{lo}, {hi}]")
+    return ids
+
+
+def check_mask(name: str, mask: object, shape: tuple[int, ...]) -> torch.Tensor:
+    """A 0/1 (bool or integer) mask of ``shape``, returned as bool."""
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(mask.shape)}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise ValueError(f"{name}: expected a bool or 0/1 integer tensor, got dtype {mask.dtype}")
+    if mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{name}: expected 0/1 values, got values in [{int(mask.min())}, {int(mask.max())}]")
+    return mask.bool()
+
+
+def check_run_args(*, policy: object, max_new_tokens: object, logprobs_topk: object,
+                   eos_token_id: object, prefill_chunk: object) -> None:
+    """The non-tensor arguments shared by ``generate`` and ``teacher_forced_logprobs``."""
+    if not isinstance(policy, KVPolicy):
+        raise ValueError(f"policy: expected a KVPolicy (Dense(), RKV(), ...), got {type(policy).__name__}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+    if not _is_int(logprobs_topk) or logprobs_topk < 0:
+        raise ValueError(f"logprobs_topk: expected an int >= 0 (0 = none), got {logprobs_topk!r}")
+    ids = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    if eos_token_id is not None and (not isinstance(ids, (list, tuple, set)) or not all(_is_int(x) for x in ids)):
+        raise ValueError(f"eos_token_id: expected None, an int or a list of ints, got {eos_token_id!r}")
+    if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk: expected None (whole prompt) or an int >= 1, got {prefill_chunk!r}")
+
+
+def budget_table(budget: object, *, dense: bool, longest: int) -> torch.Tensor:
+    """``table[c]`` = budget in force at context length ``c`` (``0 … longest``), -1 = dense.
+
+    ``budget``: None (dense), an int >= 1, or an object with ``budget_at(context_len) -> int |
+    None``, evaluated once per context length here (not once per row and step).
+    """
+    if dense or budget is None:
+        return torch.full((longest + 1,), -1, dtype=torch.long)
+    if _is_int(budget):
+        if budget < 1:
+            raise ValueError(f"budget: expected a positive int, None or a schedule, got {budget!r}")
+        return torch.full((longest + 1,), int(budget), dtype=torch.long)
+    if not hasattr(budget, "budget_at"):
+        raise ValueError(f"budget: expected an int or an object with budget_at(context_len), got "
+                         f"{type(budget).__name__}")
+    vals = [budget.budget_at(c) for c in range(longest + 1)]
+    bad = [v for v in vals if v is not None and (not _is_int(v) or v < 1)]
+    if bad:
+        raise ValueError(f"budget: budget_at must return None or an int >= 1, got {bad[0]!r}")
+    return torch.tensor([-1 if v is None else int(v) for v in vals], dtype=torch.long)

@@ -1,0 +1,74 @@
+"""The CUDA-graph decode step's static-buffer logic, run eagerly on CPU: reading the whole pool
+with a mask built from device counts, a fixed page count for selection, buffers refreshed
+before every replay, a new capture when the batch shrinks. (Capture itself: tests/gpu.)"""
+
+import pytest
+import torch
+
+from sparsecorr.decoding import RKV, BlockTopK, Dense, StreamingLLM
+from sparsecorr.decoding.backends import TorchBackend
+from sparsecorr.decoding.cache import active_cache
+from sparsecorr.decoding.engine import Engine, pool_capacity
+from sparsecorr.decoding.generate import _sparse_attention
+from sparsecorr.decoding.graphs import DecodeGraphs, EagerRunner
+from sparsecorr.decoding.loops import Sampling, decode_loop, prefill
+from sparsecorr.decoding.validate import budget_table
+from tests.models import tiny_model
+
+
+def _decode(model, ids, policy, budget, *, graphs: bool, steps=20, eos=None):
+    lens = torch.full((ids.shape[0],), ids.shape[1])
+    table = budget_table(budget, dense=policy.kind == "dense", longest=ids.shape[1] + steps)
+    engine = Engine(model, policy=policy, backend=TorchBackend(), table=table, batch=ids.shape[0],
+                    capacity=pool_capacity(policy, table, longest=ids.shape[1] + steps, chunk=ids.shape[1]),
+                    grad=False)
+    if graphs:
+        engine.graphs = DecodeGraphs(engine, runner=EagerRunner)
+    samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=3, generator=None)
+
+    class Bar:
+        def update(self, n):
+            pass
+
+    with _sparse_attention(model), active_cache(engine.cache), torch.no_grad():
+        logits = prefill(engine, ids, lens, ids.shape[1])
+        fields = decode_loop(engine, logits, prompt_len=lens, steps=steps, samp=samp, eos=eos, pruner=None,
+                             group_size=None, bar=Bar())
+    return fields, engine
+
+
+@pytest.mark.parametrize("policy", [Dense(), StreamingLLM(sink=1, buffer=2), RKV(window=3, buffer=3),
+                                    BlockTopK(page_size=4, dense_layers=1)], ids=lambda p: p.name)
+def test_static_step_equals_the_eager_step(policy):
+    model = tiny_model("qwen3", num_layers=3)
+    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(0))
+    for eos in (None, [11, 63]):  # with EOS, rows leave the batch: a new capture per size
+        ref, _ = _decode(model, ids, policy, 8, graphs=False, eos=eos)
+        got, engine = _decode(model, ids, policy, 8, graphs=True, eos=eos)
+        assert engine.graphs.status == "on" and engine.graphs.captured
+        assert torch.equal(got["tokens"], ref["tokens"]) and torch.equal(got["lengths"], ref["lengths"])
+        torch.testing.assert_close(got["rollout_logp"], ref["rollout_logp"], atol=2e-5, rtol=0)
+        torch.testing.assert_close(got["kv_kept"], ref["kv_kept"])
+
+
+def test_capture_failure_falls_back_to_eager(monkeypatch):
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+
+    class Broken:
+        def __init__(self, fn, **_):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    ref, _ = _decode(model, ids, Dense(), None, graphs=False, steps=6)
+    lens = torch.full((2,), 5)
+    table = budget_table(None, dense=True, longest=11)
+    engine = Engine(model, policy=Dense(), backend=TorchBackend(), table=table, batch=2, capacity=11, grad=False)
+    engine.graphs = DecodeGraphs(engine, runner=Broken)
+    samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=3, generator=None)
+    with _sparse_attention(model), active_cache(engine.cache), torch.no_grad(), \
+            pytest.warns(RuntimeWarning, match="capture failed"):
+        logits = prefill(engine, ids, lens, 5)
+        got = decode_loop(engine, logits, prompt_len=lens, steps=6, samp=samp, eos=None, pruner=None,
+                          group_size=None, bar=type("B", (), {"update": lambda self, n: None})())
+    assert engine.graphs.status.startswith("failed")
+    assert torch.equal(got["tokens"], ref["tokens"])

@@ -1,0 +1,70 @@
+"""The preallocated KV pool: indexed writes (padding to the scratch page), compaction of kept
+slots, observation windows, row selection, out-of-place updates with autograd; capacity."""
+
+import torch
+
+from sparsecorr.decoding import RKV, BlockTopK, Dense, StreamingLLM
+from sparsecorr.decoding.engine import pool_capacity
+from sparsecorr.decoding.pool import KVPool
+
+
+def _pool(grad=False, window=2):
+    return KVPool(layers=2, batch=2, kv_heads=2, q_heads=4, head_dim=3, capacity=10, page_size=4,
+                  dtype=torch.float32, device=torch.device("cpu"), positions=True, window=window,
+                  summaries=True, grad=grad)
+
+
+def test_layout_and_writes_at_per_row_slots():
+    pool = _pool()
+    assert pool.capacity == 12 and pool.scratch == 12 and pool.pages_per_row == 4
+    assert pool.k[0].shape == (2, 2, 16, 3) and pool.summ[0].shape == (2, 2, 4, 3)
+    key = torch.arange(2 * 2 * 3 * 3, dtype=torch.float32).reshape(2, 2, 3, 3)
+    slots = torch.tensor([[0, 1, 2], [5, 6, 12]])  # row 1: 2 real tokens, padding -> scratch
+    pool.write(0, key, -key, slots, torch.tensor([[0, 1, 2], [7, 8, 9]]))
+    assert torch.equal(pool.k[0][0, :, :3], key[0]) and torch.equal(pool.v[0][1, :, 5:7], -key[1, :, :2])
+    assert torch.equal(pool.pos[0][1, 0, 5:7], torch.tensor([7, 8]))
+    assert (pool.k[0][1, :, :5] == 0).all() and (pool.k[1] == 0).all()  # other slots / layers untouched
+    assert pool.slot_bytes() == 2 * 2 * 2 * 3 * 4
+
+
+def test_compact_moves_kept_slots_to_the_front():
+    pool = _pool()
+    pool.k[0][:, :, :6] = torch.arange(6, dtype=torch.float32)[None, None, :, None]
+    pool.pos[0][:, :, :6] = torch.arange(6) + 100
+    index = torch.tensor([[[0, 3, 5], [1, 2, 4]], [[2, 3, 4], [0, 1, 5]]])
+    pool.compact(0, index)
+    assert torch.equal(pool.k[0][..., :3, 0], index.float())
+    assert torch.equal(pool.pos[0][..., :3], index + 100)
+
+
+def test_windows_keep_each_rows_last_real_queries():
+    pool = _pool(window=3)
+    q = torch.arange(4, dtype=torch.float32)[None, None, :, None].expand(2, 4, 4, 3) + 1
+    pool.push_queries(0, q, torch.tensor([4, 2]))  # row 1: 2 real queries then padding
+    assert pool.win[0][0, 0, :, 0].tolist() == [2.0, 3.0, 4.0]
+    assert pool.win[0][1, 0, :, 0].tolist() == [0.0, 1.0, 2.0]  # 0 = not seen yet
+    pool.push_queries(0, q[:, :, :1] + 10, torch.tensor([1, 1]))  # a decode step
+    assert pool.win[0][1, 0, :, 0].tolist() == [1.0, 2.0, 11.0]
+
+
+def test_select_rows_and_out_of_place_updates_with_grad():
+    pool = _pool(grad=True)
+    key = torch.ones(2, 2, 1, 3, requires_grad=True)
+    before = pool.k[0]
+    pool.write(0, key * 2, key, torch.tensor([[0], [0]]), torch.tensor([[0], [0]]))
+    assert pool.k[0] is not before and (before == 0).all()  # earlier readers keep their tensor
+    pool.k[0].sum().backward()
+    assert torch.equal(key.grad, torch.full_like(key, 2.0))
+    pool.select_rows(torch.tensor([1]))
+    assert all(t.shape[0] == 1 for t in (*pool.k, *pool.v, *pool.pos, *pool.win, *pool.summ))
+
+
+def test_capacity_is_bounded_by_budget_plus_buffer_plus_chunk():
+    table = torch.full((1001,), 64, dtype=torch.long)
+    assert pool_capacity(RKV(buffer=32), table, longest=1000, chunk=128) == 64 + 32 + 128
+    assert pool_capacity(StreamingLLM(), table, longest=1000, chunk=1) == 65
+    assert pool_capacity(RKV(), table, longest=100, chunk=512) == 100  # never above the context
+    assert pool_capacity(Dense(), table, longest=1000, chunk=1) == 1000
+    assert pool_capacity(BlockTopK(), table, longest=1000, chunk=1) == 1000  # selection keeps all
+    table[:300] = -1  # dense below 300 tokens of context
+    assert pool_capacity(RKV(), table, longest=1000, chunk=1) == 1000
