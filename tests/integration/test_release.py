@@ -2,7 +2,7 @@
 the wheels install into a fresh virtualenv with ``pip install 'sparsecorr[demo]'`` and
 ``sparsecorr demo --quick`` runs there from a directory outside the source tree.
 
-Marked ``slow`` (a fresh venv installs torch and TRL's dependency tree: about 4 minutes on 2
+Marked ``slow`` (a fresh venv installs torch and TRL's dependency tree: 95 s to 4.5 min on 2
 cores with pip's cache warm); ``.ci/run`` runs it after the default suite. Costs kept down: the
 builds run without isolation (the dev venv has setuptools), torch comes from the local wheel
 cache first, and pip's download cache is shared with the dev setup.
