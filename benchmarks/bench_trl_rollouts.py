@@ -21,13 +21,12 @@ from _common import machine, median_time, setup, table
 def _trainer(config, out: str, *, batch: int, new_tokens: int):
     from datasets import Dataset
     from sparsecorr_trl import SparseGRPOTrainer
+    from sparsecorr_trl.demo.task import demo_model, demo_tokenizer, recall_reward_text
     from trl import GRPOConfig
-
-    from sparsecorr.demo.task import demo_model, demo_tokenizer, recall_reward_text
 
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=batch,
                       max_completion_length=new_tokens, report_to=[], use_cpu=True, bf16=False,
-                      save_strategy="no", gradient_checkpointing=False, disable_tqdm=True)
+                      save_strategy="no", activation_checkpointing=False, disable_tqdm=True)
     return SparseGRPOTrainer(model=demo_model(), reward_funcs=recall_reward_text, args=args,
                              train_dataset=Dataset.from_dict({"prompt": ["<s> k1"]}),
                              processing_class=demo_tokenizer(), sparsecorr_config=config)
@@ -39,8 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     setup(args.threads)
     from sparsecorr_trl import SparseCorrConfig
-
-    from sparsecorr.demo.task import make_prompts
+    from sparsecorr_trl.demo.task import make_prompts
 
     arms = [("TRL generate (baseline)", SparseCorrConfig()),
             ("sparsecorr dense", SparseCorrConfig(policy="dense")),

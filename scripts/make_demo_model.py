@@ -1,13 +1,14 @@
 """Build the shipped demo model: a tiny Qwen3 pre-trained (seeded, CPU, ~1-2 min) on the recall task.
 
 Sequences are a prompt ``[BOS, key, filler...]`` followed by the prompt after BOS recited over
-and over (``sparsecorr.demo.task.copy_targets``); the loss is on the response part only, so
+and over (``sparsecorr_trl.demo.task.copy_targets``); the loss is on the response part only, so
 the model learns to fetch the token one period back at every step, which a KV budget with a
 recent window shorter than the period (StreamingLLM at budget 8, period 15) cannot do.
 
 Also writes the word-level tokenizer (``tokenizer.json``) next to the weights.
 
-Usage: ``python scripts/make_demo_model.py [--steps 400] [--out src/sparsecorr/assets/demo_model]
+Usage: ``python scripts/make_demo_model.py [--steps 400]
+[--out integrations/trl/src/sparsecorr_trl/demo/assets/demo_model]
 [--tokenizer-only]``
 """
 
@@ -16,14 +17,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-
-from sparsecorr.demo.task import build_tokenizer, copy_targets, demo_model, make_prompts
+from sparsecorr_trl.demo.task import build_tokenizer, copy_targets, demo_model, make_prompts
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--out", default="src/sparsecorr/assets/demo_model")
+    ap.add_argument("--out", default="integrations/trl/src/sparsecorr_trl/demo/assets/demo_model")
     ap.add_argument("--tokenizer-only", action="store_true",
                     help="write only the tokenizer files (the weights are left as they are)")
     args = ap.parse_args()

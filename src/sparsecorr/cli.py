@@ -2,7 +2,9 @@
 
 Subcommands live one per module in `sparsecorr.commands`; each module exposes
 ``add_parser(subparsers)`` (cheap: builds the argparse parser only) and ``run(args) -> int``
-(imports the heavy machinery). ``sparsecorr --help`` therefore starts fast.
+(imports the heavy machinery). ``sparsecorr --help`` therefore starts fast. Other
+distributions add subcommands through the ``sparsecorr.commands`` entry-point group (the TRL
+glue provides ``demo``); a known one that is not installed prints what to install.
 
 Every subcommand's ``--help`` shows the default of every option (`DefaultsHelpFormatter`,
 applied here to all subcommands). Bad input is one line on stderr naming the option, exit
@@ -21,12 +23,31 @@ from . import __version__
 
 #: subcommand name -> module under sparsecorr.commands implementing it
 SUBCOMMANDS: dict[str, str] = {
-    "demo": "sparsecorr.commands.demo",
     "decode": "sparsecorr.commands.decode",
     "calibrate": "sparsecorr.commands.calibrate",
     "schedule": "sparsecorr.commands.schedule",
     "cost": "sparsecorr.commands.cost",
 }
+
+#: entry-point group through which other distributions add subcommands (same module protocol)
+PLUGIN_GROUP = "sparsecorr.commands"
+#: plug-in subcommands the docs describe -> (help, what to install when it is missing)
+KNOWN_PLUGINS: dict[str, tuple[str, str]] = {
+    "demo": ("run the end-to-end demo (needs the TRL glue)", "pip install 'sparsecorr[demo]'"),
+}
+
+
+def _plugin_modules() -> dict[str, str]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group=PLUGIN_GROUP)
+            if ep.name not in SUBCOMMANDS}
+
+
+def _add_missing(sub: argparse._SubParsersAction, name: str, why: str) -> None:
+    help_text, install = KNOWN_PLUGINS.get(name, (f"provided by a plug-in ({why})", why))
+    sub.add_parser(name, help=help_text, add_help=False).set_defaults(
+        _missing=f"not installed: {install}" + (f" ({why})" if why != install else ""), _name=name)
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -73,10 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"sparsecorr {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
+    plugins = _plugin_modules()
+    for name, module_name in {**SUBCOMMANDS, **plugins}.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # a plug-in whose dependencies are missing
+            if name in SUBCOMMANDS:
+                raise
+            _add_missing(sub, name, str(exc))
+            continue
         p = module.add_parser(sub)
         p.set_defaults(_module=module_name, _name=name)
+    for name in KNOWN_PLUGINS.keys() - plugins.keys():
+        _add_missing(sub, name, KNOWN_PLUGINS[name][1])
     for p in _option_parsers(parser).values():
         p.formatter_class = DefaultsHelpFormatter
     return parser
@@ -84,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "_missing", None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if getattr(args, "_missing", None):
+        print(f"sparsecorr {args._name}: {args._missing}", file=sys.stderr)
+        return 2
     if getattr(args, "_module", None) is None:
         parser.print_help()
         return 0

@@ -26,3 +26,22 @@ def test_flat_api_and_fast_import():
     code = "import sys, sparsecorr; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"  # decoding (and transformers) load lazily
+
+
+def test_core_never_imports_an_integration():
+    """DESIGN layering: the core package imports no trainer and no glue package (the demo,
+    which trains with TRL, lives in sparsecorr_trl)."""
+    import ast
+
+    forbidden = {"sparsecorr_trl", "sparsecorr_openrlhf", "trl", "openrlhf", "verl", "ray"}
+    core = Path(sparsecorr.__file__).resolve().parent
+    hits = []
+    for path in core.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            hits += [f"{path.relative_to(core)}: {n}" for n in names
+                     if n.split(".")[0] in forbidden]
+    assert not hits, hits
+    assert not list(core.glob("demo/*.py")) and not list(core.glob("assets/demo_model/*"))

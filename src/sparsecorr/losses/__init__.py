@@ -1,7 +1,7 @@
 """TRAIN: losses for sparse rollouts.
 
 ``sparse_grpo`` (decoupled three-policy PPO/GRPO/GSPO with a correction), group advantages
-(GRPO, Dr. GRPO), the four aggregation modes, and DistillSparse (:mod:`sparsecorr.losses.distill`).
+(GRPO, Dr. GRPO), the four aggregation modes, and DistillSparse (`sparsecorr.losses.distill`).
 """
 
 from .advantages import group_advantages

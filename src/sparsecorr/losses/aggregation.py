@@ -158,7 +158,7 @@ def aggregation_coefficients(
 ) -> torch.Tensor:
     r"""Per-token coefficients \(c_{i,t}\) with ``loss = (c * token_loss).sum()`` (module table).
 
-    Arguments as in :func:`row_scales`.
+    Arguments as in `row_scales`.
 
     Shapes:
         mask: ``[B, T]`` -> ``[B, T]`` float32 (0 where mask is False).

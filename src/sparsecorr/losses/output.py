@@ -1,4 +1,4 @@
-"""The result of every loss in :mod:`sparsecorr.losses`."""
+"""The result of every loss in `sparsecorr.losses`."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Te
     r"""\(\ell_t = \mathrm{clamp}(\text{old\_logp} - \text{rollout\_logp}, \pm 20)\), 0 where masked.
 
     Positions where either input is NaN/inf are set to 0 (count them with
-    ``~torch.isfinite``; :func:`~sparsecorr.mismatch.mismatch_metrics` reports them).
+    ``~torch.isfinite``; `mismatch_metrics` reports them).
 
     Shapes:
         old_logp, rollout_logp, mask: ``[B, T]`` -> ``[B, T]`` float32.

@@ -190,3 +190,83 @@ def test_one_optimizer_step_of_a_tiny_model_with_experience_fields():
     assert torch.isfinite(loss)
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert "correction/ess" in exp.info and "mismatch/kl_k3_mean" in exp.info
+
+
+@pytest.mark.parametrize("token_level_loss", [True, False])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_gspo_loss_gradient_and_metrics_equal_openrlhf(token_level_loss, dual_clip):
+    """GSPO clips the sequence ratio; OpenRLHF's clip_ratio counts tokens whose *sequence*
+    ratio was clipped (not the per-token ratio)."""
+    logp, old, rollout, mask, adv = _batch(4, b=8)
+    logp = old + torch.randn_like(old) * 0.4  # wide enough that sequence and token clips differ
+    kw = dict(policy_loss_type="gspo", token_level_loss=token_level_loss, dual_clip=dual_clip,
+              clip_eps_low=3e-4, clip_eps_high=4e-4)
+    peer = load_openrlhf_loss_module().PolicyLoss(**kw)
+    ours = SparsePolicyLoss(**kw)
+    (p_loss, p_clip, p_kl, p_vkl, _), p_grad = _run(peer, logp, old, rollout, mask, adv, who="peer")
+    (o_loss, o_clip, o_kl, o_vkl, _), o_grad = _run(ours, logp, old, rollout, mask, adv, who="ours")
+    torch.testing.assert_close(o_loss, p_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(o_grad, p_grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(o_clip, p_clip)
+    torch.testing.assert_close(o_kl, p_kl, rtol=1e-5, atol=1e-6)
+    assert o_vkl is None and p_vkl is None
+    # the metric really is the sequence one: per-token clipping would count a different fraction
+    token_clip = SparsePolicyLoss(clip_eps_low=3e-4, clip_eps_high=4e-4, dual_clip=dual_clip)
+    assert not torch.allclose(token_clip(logp, old, adv, mask, rollout)[1], p_clip)
+
+
+def test_vllm_kl_masks_and_counts_a_minus_inf_rollout_logprob():
+    logp, old, rollout, mask, adv = _batch(5)
+    row, col = 1, 0
+    assert mask[row, col]
+    peer, ours = _both(("token", "mask", "ratio", (0.5, 5.0)))
+    finite = ours(logp, old, adv, mask, rollout)[3]
+    torch.testing.assert_close(finite, peer(logp, old, adv, mask.float(), rollout)[3])
+    bad = rollout.clone()
+    bad[row, col] = float("-inf")
+    loss, _, _, vllm_kl, _ = ours(logp, old, adv, mask, bad)
+    kept = mask.clone()
+    kept[row, col] = False
+    expected = torch.where(kept, rollout - old, 0.0).sum() / kept.sum()
+    torch.testing.assert_close(vllm_kl, expected)  # the -inf token is left out, not -1e38
+    assert torch.isfinite(loss) and abs(float(vllm_kl)) < 10
+    assert float(ours.last_metrics["correction/nonfinite_count"]) == 1.0
+
+
+def test_launcher_help_prints_flags_without_starting_ray(monkeypatch, capsys):
+    def forbidden(*_a, **_k):
+        raise AssertionError("--help must not install the hook or start Ray")
+
+    monkeypatch.setattr(launcher, "install", forbidden)
+    monkeypatch.setattr(launcher, "_init_ray", forbidden)
+    shown = {}
+
+    def fake_run_module(name, run_name, alter_sys):  # OpenRLHF's argparse: help, then exit 0
+        shown["argv"] = list(sys.argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(launcher.runpy, "run_module", fake_run_module)
+    launcher.main(["--help", "--sparsecorr.correction", "sparse_rl"])
+    out = capsys.readouterr().out
+    assert "--sparsecorr.threshold" in out and "--sparsecorr.correction" in out
+    assert shown["argv"] == ["openrlhf.cli.train_ppo_ray", "--help"]
+
+
+def test_launcher_help_as_a_process_without_ray(tmp_path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "sparsecorr_openrlhf.train_ppo_ray", "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "--sparsecorr.correction" in proc.stdout
+    assert "ray.init" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_launcher_passes_a_preset_choice():
+    spec, rest = launcher.parse_sparsecorr_args(
+        ["--sparsecorr.correction", "trl", "--sparsecorr.mode", "token_mask", "--x", "1"])
+    assert spec["numbers"] == {"mode": "token_mask"} and rest == ["--x", "1"]
+    with pytest.raises(ValueError, match="mode"):
+        launcher.parse_sparsecorr_args(["--sparsecorr.correction", "trl", "--sparsecorr.mode", "nope"])

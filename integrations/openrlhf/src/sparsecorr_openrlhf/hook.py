@@ -1,11 +1,11 @@
-"""Install :class:`SparsePolicyLoss` into OpenRLHF's PPO actor: one call, or process-wide.
+"""Install `SparsePolicyLoss` into OpenRLHF's PPO actor: one call, or process-wide.
 
-- :func:`use_sparsecorr` swaps the ``actor_loss_fn`` of one ``ActorPPOTrainer`` (or any object
-  with that attribute and a ``training_step(experience, ...)`` method), keeping its clip and
+- `use_sparsecorr` swaps the ``actor_loss_fn`` of one ``ActorPPOTrainer`` (or any object with
+  that attribute and a ``training_step(experience, ...)`` method), keeping its clip and
   aggregation settings, and routes sparsecorr's metrics into ``experience.info`` so they reach
   OpenRLHF's loggers (wandb / tensorboard via its status dict).
-- :func:`install` patches ``ActorPPOTrainer.__init__`` so every trainer created afterwards in
-  this process uses it; :func:`setup_worker` does the same in Ray worker processes from the
+- `install` patches ``ActorPPOTrainer.__init__`` so every trainer created afterwards in this
+  process uses it; `setup_worker` does the same in Ray worker processes from the
   ``SPARSECORR_OPENRLHF`` environment variable (the launcher sets both).
 """
 
@@ -40,7 +40,7 @@ def use_sparsecorr(
     metrics_quantiles: tuple[float, ...] = (0.01, 0.05, 0.5),
     check_version: bool = True,
 ) -> SparsePolicyLoss:
-    """Replace ``trainer.actor_loss_fn`` by a :class:`SparsePolicyLoss` with ``correction``.
+    """Replace ``trainer.actor_loss_fn`` by a `SparsePolicyLoss` with ``correction``.
 
     The trainer's clip range, dual clip, aggregation and loss type are kept; ``correction`` may
     be a callable, a preset name, or None to keep OpenRLHF's own ``is_correction_*`` settings.

@@ -2,7 +2,7 @@ r"""``SparsePolicyLoss``: a drop-in for OpenRLHF 0.11's ``openrlhf.models.loss.P
 
 Same constructor keywords, same ``forward`` signature and the same return value
 ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)``; the loss is computed by
-:func:`sparsecorr.losses.sparse_grpo` with any sparsecorr correction.
+[`sparse_grpo`][sparsecorr.losses.sparse_grpo] with any sparsecorr correction.
 
 - With ``correction=None`` and OpenRLHF's own ``is_correction_*`` keywords, the correction is
   ``sparsecorr.correction.openrlhf(level, mode, gating, threshold)``, which reproduces
@@ -13,7 +13,7 @@ Same constructor keywords, same ``forward`` signature and the same return value
   DeepSpeed's gradient averaging, exactly as ``aggregate_loss`` does: the loss is invariant to
   how the batch is sharded.
 - Metrics (mismatch incl. tail quantiles of the log-ratio, and correction) are kept in
-  :attr:`SparsePolicyLoss.last_metrics`; when the hook has attached an experience's ``info``
+  `SparsePolicyLoss.last_metrics`; when the hook has attached an experience's ``info``
   dict they are written into it, and OpenRLHF's actor forwards ``info`` to its loggers.
 """
 
@@ -132,8 +132,7 @@ class SparsePolicyLoss(nn.Module):
         clip_ratio, ppo_kl = self._ppo_stats(log_probs, old_log_probs, advantages, mask)
         vllm_kl = filter_ratio = None
         if self.correction is not None:
-            diff = torch.where(mask, rollout_log_probs.detach().float() - old_log_probs.detach().float(), 0.0)
-            vllm_kl = torch.nan_to_num(diff).sum() / mask.sum().clamp(min=1)
+            vllm_kl = _vllm_kl(rollout_log_probs, old_log_probs, mask)
             filter_ratio = out.metrics.get(
                 "correction/is_filter_ratio", 1.0 - out.metrics.get("correction/kept_token_frac", torch.ones(())))
         self.last_metrics = out.metrics
@@ -143,8 +142,15 @@ class SparsePolicyLoss(nn.Module):
 
     @torch.no_grad()
     def _ppo_stats(self, log_probs, old_log_probs, advantages, mask):
+        """OpenRLHF's ``clip_ratio`` and ``ppo_kl``: the fraction of tokens whose clipped surrogate
+        is the smaller one, for the ratio the loss clips (per token for PPO; for GSPO the
+        sequence ratio ``exp(mean_t(logp - old_logp))`` broadcast over the row, as OpenRLHF)."""
         lr = (log_probs.detach().float() - old_log_probs.float())
-        ratio = lr.clamp(-20.0, 20.0).exp()
+        if self.policy_loss_type == "gspo":
+            seq = torch.where(mask, lr, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+            ratio = seq.exp()[:, None].expand_as(lr)
+        else:
+            ratio = lr.clamp(-20.0, 20.0).exp()
         adv = advantages.float() if advantages.dim() == 2 else advantages.float()[:, None]
         surr1 = ratio * adv
         surr2 = ratio.clamp(1 - self.clip_eps_low, 1 + self.clip_eps_high) * adv
@@ -156,3 +162,18 @@ class SparsePolicyLoss(nn.Module):
     def extra_repr(self) -> str:
         return (f"clip=({self.clip_eps_low}, {self.clip_eps_high}), dual_clip={self.dual_clip}, "
                 f"token_level_loss={self.token_level_loss}, correction={self.correction!r}")
+
+
+@torch.no_grad()
+def _vllm_kl(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+             mask: torch.Tensor) -> torch.Tensor:
+    """OpenRLHF's ``vllm_kl``, the masked mean of ``rollout_logp - old_logp``, over the tokens
+    where both are finite: a non-finite log-prob is masked out here as in the loss (and counted
+    there, ``correction/nonfinite_count``) instead of turning the metric into ±1e38.
+
+    Shapes:
+        rollout_log_probs, old_log_probs, mask: ``[B, T]`` -> 0-d.
+    """
+    diff = rollout_log_probs.detach().float() - old_log_probs.detach().float()
+    ok = mask & torch.isfinite(diff)
+    return torch.where(ok, diff, 0.0).sum() / ok.sum().clamp(min=1)

@@ -1,16 +1,35 @@
-"""TRL ``GRPOTrainer`` integration for sparsecorr (``pip install sparsecorr-trl[trl]``)."""
+"""TRL ``GRPOTrainer`` integration for sparsecorr (``pip install 'sparsecorr[trl]'``).
 
-from sparsecorr_trl.callback import SparseCorrCallback
-from sparsecorr_trl.config import SparseCorrConfig
-from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE
-from sparsecorr_trl.options import check_trl_version, validate_grpo_args
-from sparsecorr_trl.trainer import SparseGRPOTrainer
+The names below load on first use (PEP 562), so importing a submodule that does not need TRL
+(``sparsecorr_trl.demo.command``, which the ``sparsecorr`` CLI discovers through its
+``sparsecorr.commands`` entry point) does not import TRL.
+"""
 
-__all__ = [
-    "AGGREGATION_BY_LOSS_TYPE",
-    "SparseCorrCallback",
-    "SparseCorrConfig",
-    "SparseGRPOTrainer",
-    "check_trl_version",
-    "validate_grpo_args",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: public name -> submodule that defines it
+_EXPORTS = {
+    "SparseCorrCallback": "sparsecorr_trl.callback",
+    "SparseCorrConfig": "sparsecorr_trl.config",
+    "AGGREGATION_BY_LOSS_TYPE": "sparsecorr_trl.loss",
+    "check_trl_version": "sparsecorr_trl.options",
+    "validate_grpo_args": "sparsecorr_trl.options",
+    "SparseGRPOTrainer": "sparsecorr_trl.trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sparsecorr_trl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -15,7 +15,7 @@ within its group first, the weighted sum is then normalised over the batch. Mean
 deviations (Bessel) ignore NaN: a rollout every reward function declined (all ``None``) is
 left out, and its advantage is 0.
 
-:func:`trl_advantages` is the same computation with a ``valid`` mask: a rollout the correction
+`trl_advantages` is the same computation with a ``valid`` mask: a rollout the correction
 rejected as a whole (``Correction.sequence_mask`` False) is treated exactly like an unscorable
 one, so it does not move its group's mean or standard deviation (shared/METHODS.md §5; the
 ``group_advantages(valid=...)`` semantics) and gets advantage 0. With every rollout valid the

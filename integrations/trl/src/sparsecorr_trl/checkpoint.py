@@ -13,7 +13,7 @@ With ``distill=True`` the model TRL trains is a PEFT model, and ``Trainer`` save
 adapter of a PEFT model: the dense policy \(\theta\), which DistillSparse trains too, would be
 lost from every checkpoint and from ``save_model``. ``SparseGRPOTrainer`` therefore also writes
 the whole model (policy and adapter) as ``sparsecorr_policy.safetensors`` and restores it on
-resume (:func:`save_policy`, :func:`load_policy`).
+resume (`save_policy`, `load_policy`).
 
 The controller's state is written by ``SparseCorrCallback`` (``sparsecorr_controller.json``).
 """
@@ -41,7 +41,7 @@ def save_policy(directory: str | Path, model: torch.nn.Module) -> Path:
 
 
 def load_policy(directory: str | Path, model: torch.nn.Module) -> bool:
-    """Load what :func:`save_policy` wrote (all keys must match); False when absent."""
+    """Load what `save_policy` wrote (all keys must match); False when absent."""
     path = Path(directory) / POLICY_FILE
     if not path.is_file():
         return False
@@ -76,7 +76,7 @@ def save_sampler_state(path: Path, generator: torch.Generator,
 
 def load_sampler_state(path: Path, generator: torch.Generator,
                        optimizer: torch.optim.Optimizer | None = None) -> bool:
-    """Restore what :func:`save_sampler_state` wrote; False (nothing changed) when absent."""
+    """Restore what `save_sampler_state` wrote; False (nothing changed) when absent."""
     if not path.is_file():
         return False
     tensors = load_file(str(path))

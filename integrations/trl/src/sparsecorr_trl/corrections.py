@@ -1,10 +1,10 @@
 """What the trainer needs to know about a correction object, found by walking it.
 
-- :func:`with_group`: a correction such as ``sparse_rl()`` normalises its weights to mean 1 over
+- `with_group`: a correction such as ``sparse_rl()`` normalises its weights to mean 1 over
   "the batch"; under ``accelerate launch`` each process holds a shard, so ``SparseGRPOTrainer``
   hands every such statistic the world process group: the weights are then those of the whole
   global batch, and the multi-process loss equals the single-process one.
-- :func:`needs_acceptance`: ``sparse_tail(...)`` (``TailReject``) reads the per-token acceptance
+- `needs_acceptance`: ``sparse_tail(...)`` (``TailReject``) reads the per-token acceptance
   rate, which the trainer computes only when something reads it (it costs a dense forward
   with full logits).
 """

@@ -3,7 +3,7 @@ r"""DistillSparse inside ``SparseGRPOTrainer`` (Sparrow, Zhou et al. 2026, arXiv
 The policy is wrapped with a LoRA adapter \(\varphi\) (``sparsecorr.losses.sparse_adapter``)
 that is active only in the sparse sampler: every dense forward of the trainer (``old_logp``,
 the reference-free PPO loss on \(\theta\)) runs inside ``dense_mode``. After the policy's
-backward pass on a batch, :class:`AdapterStep` takes one AdamW step on \(\varphi\) alone with
+backward pass on a batch, `AdapterStep` takes one AdamW step on \(\varphi\) alone with
 
 \[
 L_\varphi = L_\text{PPO}^\text{sparse}(\text{sparse\_logp}, \text{rollout\_logp}) +

@@ -18,7 +18,7 @@ gradient; ``KLPenalty(bias_correction=True)``). \(f\) multiplies the advantage, 
 same value and gradient for every surrogate (each is linear in \(A\) once the sign of \(A\) has
 picked its branch, and a zeroed term has no gradient). For \(\delta > 1 + \varepsilon_h\)
 TRL's two-sided clip is ``PPOClip``'s dual clip (Ye et al. 2020): for \(A<0\) the term is
-\(A\,\mathrm{clamp}(\rho, 1-\varepsilon_l, \delta)\). The scalar (:func:`aggregation`):
+\(A\,\mathrm{clamp}(\rho, 1-\varepsilon_l, \delta)\). The scalar (`aggregation`):
 
 | ``loss_type`` | surrogate | aggregation | counts | divided by |
 |---|---|---|---|---|
@@ -154,7 +154,7 @@ def aggregation(spec: LossSpec, *, mask: torch.Tensor, num_items_in_batch: torch
 
 @dataclass(frozen=True)
 class LossParts:
-    """What :func:`trl_loss` returns.
+    """What `trl_loss` returns.
 
     Attributes:
         loss: the scalar to backpropagate (divided by the accumulation steps where TRL does).
@@ -198,7 +198,7 @@ def trl_loss(spec: LossSpec, logp: torch.Tensor, old_logp: torch.Tensor, advanta
         old_logp: dense log-probs with the rollout-time weights.
         advantages: per sequence.
         mask: bool loss mask (completion and tool mask).
-        agg, divisor: from :func:`aggregation`.
+        agg, divisor: from `aggregation`.
         factor: TRL's 0/1 entropy mask times OPSM, or None.
         ref_logp: reference log-probs (needed when ``spec.beta != 0``).
         mismatch: the rollout's ``Mismatch`` record (with ``correction``, or for its metrics).

@@ -1,7 +1,7 @@
 r"""Sparse rollouts for ``SparseGRPOTrainer``: TRL's prompt token ids -> ``sparsecorr.decoding``.
 
 TRL hands ``_generate_single_turn`` one list of prompt token ids per rollout (prompts already
-repeated ``num_generations`` times). :func:`sparse_rollouts` pads them, samples with
+repeated ``num_generations`` times). `sparse_rollouts` pads them, samples with
 ``sparsecorr.decoding.generate`` under the configured KV policy and budget (an int or a
 context-length schedule), and returns what TRL's vLLM path returns: the completion ids (up to
 and including EOS, as TRL's own generate path cuts them) and the sampler's log-prob of every
@@ -56,7 +56,7 @@ def sampling_kwargs(args) -> dict:
 
 @dataclass(frozen=True)
 class SparseRollouts:
-    """What :func:`sparse_rollouts` returns.
+    """What `sparse_rollouts` returns.
 
     Attributes:
         completions: completion token ids per rollout.

@@ -2,11 +2,11 @@ r"""The correction, in the generate-and-score step, right after the dense ``old_
 
 ``SparseGRPOTrainer._generate_and_score_completions`` runs TRL's step (rollouts, rewards,
 advantages), then, for rollouts whose sampler log-probs are known (a sparse policy, or vLLM),
-:func:`score_rollouts`:
+`score_rollouts`:
 
 1. ``old_logp``: the dense model's log-probs with the rollout-time weights (TRL's when it
    computed them, else one no-grad forward with TRL's own forward);
-2. the acceptance \(\alpha_t\) (:func:`acceptance`) when the correction or the controller reads
+2. the acceptance \(\alpha_t\) (`acceptance`) when the correction or the controller reads
    it;
 3. one ``Mismatch`` record (``sparsecorr.mismatch.measure``) and the ``Correction`` of the
    whole generation batch, its metrics logged once per generation as ``sparsecorr/*``;

@@ -3,7 +3,7 @@
 Sparrow's DistillSparse (Zhou et al. 2026, arXiv 2606.08446) trains a LoRA adapter
 \\(\\varphi\\) (alpha 16, all linear layers; the rank is not stated, r = 16 here) that is active
 only when the model runs as the sparse sampler. The dense recompute of ``old_logp`` and the
-dense PPO update of \\(\\theta\\) run with the adapter disabled (:func:`dense_mode`). Built on
+dense PPO update of \\(\\theta\\) run with the adapter disabled (`dense_mode`). Built on
 `peft <https://github.com/huggingface/peft>`_ (an optional dependency, imported lazily).
 """
 
@@ -41,8 +41,8 @@ def sparse_adapter(
     LoRA's B matrix starts at zero, so the wrapped model initially computes exactly the base
     model. peft freezes the base weights; with ``freeze_base=False`` (default) their
     ``requires_grad`` flags are restored, so the same object serves the dense update of
-    \\(\\theta\\) (inside :func:`dense_mode`) and the adapter update (optimise
-    :func:`adapter_parameters` only, which is DistillSparse's "freeze \\(\\theta\\)").
+    \\(\\theta\\) (inside `dense_mode`) and the adapter update (optimise
+    `adapter_parameters` only, which is DistillSparse's "freeze \\(\\theta\\)").
 
     Args:
         model: a Hugging Face causal LM (or any module peft can wrap).
@@ -85,7 +85,7 @@ def dense_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     fine; the adapter is re-enabled on exit even if the block raises.
 
     Raises:
-        ValueError: if ``model`` has no peft adapter (wrap it with :func:`sparse_adapter`).
+        ValueError: if ``model`` has no peft adapter (wrap it with `sparse_adapter`).
     """
     if not hasattr(model, "disable_adapter"):
         raise ValueError(f"model: expected a peft model from sparse_adapter(...), got "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ASSET = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
+ASSET = Path(__file__).resolve().parent / "assets" / "demo_model"
 VOCAB = 64
 FIRST_KEY = 4
 N_KEYS = 10
@@ -62,7 +62,7 @@ def prompt_text(prompts: torch.Tensor) -> list[str]:
 
 
 def recall_reward_text(prompts: list[str], completions: list[str], **_) -> list[float]:
-    """TRL reward function: :func:`recall_reward` on the prompt and completion texts."""
+    """TRL reward function: `recall_reward` on the prompt and completion texts."""
     out = []
     for prompt, text in zip(prompts, completions):
         source, words = prompt.split()[1:], text.split()
@@ -72,7 +72,7 @@ def recall_reward_text(prompts: list[str], completions: list[str], **_) -> list[
 
 
 def demo_model(seed: int = 0, *, pretrained: bool = True):
-    """The tiny Qwen3: the shipped pre-trained weights (``sparsecorr/assets/demo_model``, made by
+    """The tiny Qwen3: the shipped pre-trained weights (``sparsecorr_trl/demo/assets/demo_model``, made by
     ``scripts/make_demo_model.py``) when present and ``pretrained``, else a seeded random init."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -103,6 +103,6 @@ def copy_targets(prompts: torch.Tensor, length: int) -> torch.Tensor:
 
 def recall_reward(prompts: torch.Tensor, responses: torch.Tensor,
                   mask: torch.Tensor) -> torch.Tensor:
-    """Fraction of response tokens equal to :func:`copy_targets` (the prompt recited)."""
+    """Fraction of response tokens equal to `copy_targets` (the prompt recited)."""
     hit = (responses == copy_targets(prompts, responses.shape[1]).to(responses.device)) & mask
     return hit.sum(1).float() / mask.sum(1).clamp(min=1).float()

@@ -13,13 +13,15 @@ Shapes:
 from __future__ import annotations
 
 import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._modes import eval_mode
-from ..decoding import Dense, generate
+from sparsecorr._modes import eval_mode
+from sparsecorr.decoding import Dense, generate
+
 from .task import (
     demo_model,
     demo_tokenizer,
@@ -39,14 +41,12 @@ class Arm:
 
 
 def _trl():
-    try:
-        from sparsecorr_trl import SparseCorrConfig, SparseGRPOTrainer
-        from transformers import TrainerCallback
-        from transformers.trainer_callback import ProgressCallback
-        from trl import GRPOConfig
-    except ImportError as err:  # pragma: no cover - the Makefile installs both
-        raise ImportError("sparsecorr demo trains with TRL: install sparsecorr-trl "
-                          "(pip install -e 'integrations/trl[trl]', done by `make demo`)") from err
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ProgressCallback
+    from trl import GRPOConfig
+
+    from sparsecorr_trl import SparseCorrConfig, SparseGRPOTrainer
+
     return SparseCorrConfig, SparseGRPOTrainer, GRPOConfig, TrainerCallback, ProgressCallback
 
 
@@ -67,7 +67,8 @@ def _row(arm: str, log: dict[str, float], evals: dict[int, float]) -> dict[str, 
            "mean_budget": float(log.get("sparsecorr/rollout/mean_budget", -1.0)),
            "kl_k3": float(log.get("sparsecorr/mismatch/kl_k3_mean", float("nan"))),
            "dense_eval_reward": evals.get(step + 1, float("nan"))}
-    row.update({k: float(v) for k, v in log.items() if k.startswith("sparsecorr/")})
+    row.update({k: float("nan") if v is None else float(v) for k, v in log.items()
+                if k.startswith("sparsecorr/")})
     return row
 
 
@@ -105,7 +106,7 @@ def train_arm(arm: Arm, *, steps: int, prompts_per_step: int, group: int, prompt
                           num_generations=group, max_completion_length=max_new_tokens,
                           max_steps=steps, learning_rate=lr, loss_type="grpo", beta=0.0,
                           logging_steps=1, report_to=[], use_cpu=True, bf16=False, seed=seed,
-                          save_strategy="no", gradient_checkpointing=False, temperature=1.0,
+                          save_strategy="no", activation_checkpointing=False, temperature=1.0,
                           disable_tqdm=not progress, shuffle_dataset=False)
         trainer = SparseGRPOTrainer(model=model, reward_funcs=recall_reward_text, args=args,
                                     train_dataset=data, processing_class=demo_tokenizer(),
@@ -114,7 +115,12 @@ def train_arm(arm: Arm, *, steps: int, prompts_per_step: int, group: int, prompt
         trainer.remove_callback(ProgressCallback)
         if progress:
             trainer.add_callback(StepBar())
-        trainer.train()
+        with warnings.catch_warnings():
+            # TRL 1.16's generation step reads model.is_gradient_checkpointing, which
+            # transformers 5 deprecates; nothing in this config can avoid it
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
+            trainer.train()
     rows = [_row(arm.name, log, evals) for log in trainer.state.log_history if "reward" in log]
     if rows:
         rows[0]["dense_eval_reward_before"] = evals[0]
