@@ -32,7 +32,16 @@ import torch
 from .._checks import check_choice, check_float_tensor, check_mask, check_same_shape, count
 from .._masks import as_float, finite_mask, row_any, zero_outside_
 from ..correction import Correction
-from ..mismatch import LOG_RATIO_CLAMP, Mismatch, as_metrics, measure, mismatch_metrics
+from ..mismatch import (
+    LOG_RATIO_CLAMP,
+    MetricPlan,
+    Mismatch,
+    add_mismatch_metrics,
+    as_metrics,
+    measure,
+    mismatch_quantiles,
+)
+from ..mismatch.summary import DEFAULT_QUANTILES
 from .aggregation import Aggregation
 from .output import LossOutput
 from .ppo import SurrogateInputs
@@ -279,27 +288,37 @@ def _base_mask(corr: Correction | None, mm: Mismatch | None, mask: torch.Tensor)
 
 
 def _metrics(out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
-    """Every stage's metrics: per-kept-token means divided at once, counts, then the record's
-    and the correction's own."""
+    """Every stage's metrics on one ``MetricPlan``: the loss's per-kept-token means and counts,
+    the record's and the correction's, resolved together in a few batched ops."""
+    plan = MetricPlan()
+    k_n = plan.add(n)
     sums = out.sums()
     if k3 is not None:
         sums["loss/kl_ref_k3_mean"] = k3.detach().sum()
+    for name, value in sums.items():
+        terms = value if isinstance(value, tuple) else ((value, 1.0),)
+        num: dict[int, float] = {}
+        for t, c in terms:
+            k = k_n if isinstance(t, str) else plan.add(t)
+            num[k] = num.get(k, 0.0) + c
+        plan.ratio(name, num, k_n)
     n_base = corr.tokens if corr is not None and base is corr.mask else count(base)
-    names = list(sums)
-    means = (torch.stack([sums[k] for k in names]) / n.clamp(min=1)).unbind() if names else ()
-    m = dict(zip(names, means))
-    counts = torch.stack([n, count(kept.any(dim=1)) if kept.shape[1] else n.new_zeros(()),
-                          n_base - n, bad_adv()]).unbind()
-    m.update(zip(("loss/tokens", "loss/sequences", "loss/nonfinite_tokens",
-                  "loss/nonfinite_advantage_seqs"), counts))
+    plan.ratio("loss/tokens", {k_n: 1.0})
+    plan.ratio("loss/sequences", {plan.add(count(row_any(kept))): 1.0})
+    plan.ratio("loss/nonfinite_tokens", {plan.add(n_base): 1.0, k_n: -1.0})
+    plan.ratio("loss/nonfinite_advantage_seqs", {plan.add(bad_adv()): 1.0})
     if full:
-        m.update(out.extra())
+        for name, value in out.extra().items():
+            plan.value(name, value)
     fallback = agg.normalizer_fallback()
     if fallback is not None:
-        m["loss/normalizer_fallback"] = fallback
+        plan.value("loss/normalizer_fallback", fallback)
     if mm is not None:
-        m["loss/nonfinite_rollout"] = mm.nonfinite
-        m.update(mismatch_metrics(mm, level="full" if full else "default"))
+        plan.ratio("loss/nonfinite_rollout", {plan.add(mm.nonfinite): 1.0})
+        add_mismatch_metrics(plan, mm, full=full)
     if corr is not None:
-        m.update(corr.full_metrics if full else corr.metrics)
+        corr.add_metrics(plan, full=full)
+    m = plan.resolve()
+    if full and mm is not None:
+        m.update(mismatch_quantiles(mm, DEFAULT_QUANTILES))
     return m

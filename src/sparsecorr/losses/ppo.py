@@ -71,8 +71,10 @@ class SurrogateOutput:
     """``token_loss`` ``[B, T]`` and ``loss`` ``[]`` (both carry the gradient), and the metrics,
     computed only when ``sparse_grpo`` reports them:
 
-    - ``sums()``: ``name -> 0-d sum over the kept tokens``; the metric is that sum divided by
-      the kept-token count (all divided at once);
+    - ``sums()``: ``name -> numerator``, the metric being the numerator divided by the
+      kept-token count (all divided at once); a numerator is a 0-d sum over the kept tokens,
+      or a tuple of ``(sum, coefficient)`` pairs (a linear combination; the key ``"n"`` stands
+      for the kept-token count itself);
     - ``extra()``: ``name -> 0-d value`` for anything else (``metrics="full"``).
 
     ``kl_ratio``: the importance ratio, with its gradient, that ``KLPenalty(bias_correction=True)``
@@ -147,14 +149,15 @@ def _ppo_sums(x: SurrogateInputs, em1: torch.Tensor, moved: torch.Tensor, dual_c
     neg = as_float(adv < 0)
     if adv.shape[1] == 1:
         rows = moved.sum(dim=1)
-        c_all, c_neg = rows.sum(), torch.dot(rows, neg[:, 0])
+        c_all, c_neg = rows.sum(), torch.dot(rows, neg.reshape(-1))
     else:
         c_all, c_neg = moved.sum(), torch.dot(moved.reshape(-1), neg.reshape(-1))
-    out = {"loss/clip_frac_high": c_all - c_neg, "loss/clip_frac_low": c_neg,
-           "loss/ratio_mean": x.n + em1.sum(), "loss/ppo_kl_k1_mean": -x.log_ratio.sum()}
+    out = {"loss/clip_frac_high": ((c_all, 1.0), (c_neg, -1.0)), "loss/clip_frac_low": c_neg,
+           "loss/ratio_mean": (("n", 1.0), (em1.sum(), 1.0)),
+           "loss/ppo_kl_k1_mean": ((x.log_ratio.sum(), -1.0),)}
     if dual_clip is not None:
         c_dual = (moved * as_float((em1 > 0) & (adv < 0))).sum()
-        out["loss/clip_frac_low"] = c_neg - c_dual
+        out["loss/clip_frac_low"] = ((c_neg, 1.0), (c_dual, -1.0))
         out["loss/clip_frac_dual"] = c_dual
     return out
 

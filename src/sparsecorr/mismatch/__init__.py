@@ -27,7 +27,13 @@ from .plan import MetricPlan
 from .quantiles import binned_quantile, masked_quantile
 from .record import LOG_RATIO_CLAMP, Mismatch, measure
 from .sketch import BinnedQuantileSketch, QuantileSketch
-from .summary import add_mismatch_metrics, as_metrics, mismatch_metrics, quantile_name
+from .summary import (
+    add_mismatch_metrics,
+    as_metrics,
+    mismatch_metrics,
+    mismatch_quantiles,
+    quantile_name,
+)
 
 __all__ = [
     "LOG_RATIO_CLAMP",
@@ -49,6 +55,7 @@ __all__ = [
     "masked_quantile",
     "measure",
     "mismatch_metrics",
+    "mismatch_quantiles",
     "quantile_name",
     "sequence_log_ratio",
     "token_logprobs",

@@ -48,6 +48,11 @@ def _tables(spec: tuple, n_sums: int, device: torch.device) -> tuple[torch.Tenso
     return coef.to(device), den.to(device), off.to(device)
 
 
+@lru_cache(maxsize=8)
+def _one(device: torch.device) -> torch.Tensor:
+    return torch.ones((), device=device)
+
+
 @lru_cache(maxsize=256)
 def _extreme_tables(spec: tuple, n_sums: int, device: torch.device):
     """Count indices ``[E]`` (``n_sums``: the constant 1), signs ``[E]`` and fill values ``[E]``."""
@@ -65,6 +70,7 @@ class MetricPlan:
         self._sums: list[torch.Tensor] = []
         self._ratios: list[tuple[str, tuple, int | None, float]] = []
         self._extremes: list[tuple[str, torch.Tensor, int | None, float, float]] = []
+        self._exp: set[str] = set()
         self._values: dict[str, torch.Tensor] = {}
 
     def add(self, x: torch.Tensor) -> int:
@@ -79,10 +85,13 @@ class MetricPlan:
         self._ratios.append((name, tuple(sorted(num.items())), den, offset))
 
     def extreme(self, name: str, x: torch.Tensor, *, empty: int | None = None, sign: float = 1.0,
-                fill: float = float("nan")) -> None:
+                fill: float = float("nan"), exp: bool = False) -> None:
         """``name = sign * x`` where ``x`` is a 0-d maximum (pass ``-min`` with ``sign=-1`` for a
-        minimum); ``fill`` (NaN) when the sum ``empty`` (a count) is 0. Max-reduced over ranks."""
+        minimum); ``fill`` (NaN) when the sum ``empty`` (a count) is 0. Max-reduced over ranks.
+        ``exp``: report ``exp`` of it (a ratio extreme from a log-ratio extreme)."""
         self._extremes.append((name, x.reshape(()).float(), empty, sign, fill))
+        if exp:
+            self._exp.add(name)
 
     def value(self, name: str, x: torch.Tensor) -> None:
         """A metric computed elsewhere, passed through."""
@@ -93,9 +102,11 @@ class MetricPlan:
         n = len(self._sums)
         local = full = None
         if self._sums:
-            local = torch.stack(self._sums)
-            one = local.new_ones(1)
-            full = torch.cat([local if group is None else all_reduce_sum(local, group), one])
+            local = torch.stack([*self._sums, _one(self._sums[0].device)])  # the constant 1 last
+            full = local
+            if group is not None:
+                full = all_reduce_sum(local, group)
+                full[-1] = 1.0  # the constant, summed over the ranks: back to 1
         if self._ratios:
             spec = tuple((terms, den, off) for _, terms, den, off in self._ratios)
             coef, den, off = _tables(spec, n, full.device)
@@ -106,10 +117,10 @@ class MetricPlan:
             spec = tuple((e, sign, fill) for _, _, e, sign, fill in self._extremes)
             idx, signs, fills = _extreme_tables(spec, n, ext.device)
             if group is not None:  # a shard without tokens must not move the others' extremes
-                local_counts = torch.cat([local, one])[idx] if local is not None else torch.ones_like(ext)
+                local_counts = local[idx] if local is not None else torch.ones_like(ext)
                 ext = all_reduce_max(torch.where(local_counts > 0, ext, float("-inf")), group)
             present = full[idx] > 0 if full is not None else torch.ones_like(ext, dtype=torch.bool)
             vals = torch.where(present, ext * signs, fills).unbind()
-            out.update(zip((e[0] for e in self._extremes), vals))
+            out.update((e[0], v.exp() if e[0] in self._exp else v) for e, v in zip(self._extremes, vals))
         out.update(self._values)
         return out

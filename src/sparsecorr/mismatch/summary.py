@@ -28,12 +28,14 @@ from collections.abc import Sequence
 import torch
 
 from .._checks import check_choice, count
-from .._dist import all_gather_varlen, all_reduce_sum
+from .._dist import all_gather_varlen
+from .._masks import finite_mask
 from .plan import MetricPlan
 from .quantiles import masked_quantile
 from .record import Mismatch, measure
 
-__all__ = ["LEVELS", "add_mismatch_metrics", "as_metrics", "mismatch_metrics", "quantile_name"]
+__all__ = ["LEVELS", "add_mismatch_metrics", "as_metrics", "mismatch_metrics", "mismatch_quantiles",
+           "quantile_name"]
 
 LEVELS = ("default", "full")
 DEFAULT_QUANTILES = (0.01, 0.05, 0.5)
@@ -114,13 +116,25 @@ def mismatch_metrics(
     with torch.no_grad():
         plan = MetricPlan()
         add_mismatch_metrics(plan, mm, full=full)
-        out = _exp_extremes(plan.resolve(group))
-        if qs:
-            for q, v in zip(qs, _quantiles(mm.log_ratio, mm.valid, qs, group)):
-                out[f"mismatch/log_ratio_{quantile_name(q)}"] = v
-        if mm.acceptance is not None:
-            out.update(_acceptance(mm, qs, group))
+        out = plan.resolve(group)
+        out.update(mismatch_quantiles(mm, qs, group=group))
     return as_metrics(out)
+
+
+def mismatch_quantiles(mm: Mismatch, quantiles: Sequence[float], *, group: object | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """``mismatch/log_ratio_qXX`` (and ``mismatch/acceptance_qXX`` when the record carries an
+    acceptance) at the given levels, exact, over the ranks of ``group``."""
+    out: dict[str, torch.Tensor] = {}
+    if not quantiles:
+        return out
+    for q, v in zip(quantiles, _quantiles(mm.log_ratio, mm.valid, quantiles, group)):
+        out[f"mismatch/log_ratio_{quantile_name(q)}"] = v
+    if mm.acceptance is not None:
+        acc, ok = _acceptance_valid(mm)
+        for q, v in zip(quantiles, _quantiles(acc, ok, quantiles, group)):
+            out[f"mismatch/acceptance_{quantile_name(q)}"] = v
+    return out
 
 
 def add_mismatch_metrics(plan: MetricPlan, mm: Mismatch, *, full: bool = False) -> None:
@@ -128,11 +142,10 @@ def add_mismatch_metrics(plan: MetricPlan, mm: Mismatch, *, full: bool = False) 
     default level, four more for ``full``."""
     lr = mm.log_ratio
     e = torch.expm1(lr)  # 0 outside the valid tokens
-    n = plan.add(mm.tokens)
-    nonfinite = plan.add(mm.nonfinite)
+    n, n_in = plan.add(mm.tokens), plan.add(mm.input_tokens)
     s_lr, s_e = plan.add(lr.sum()), plan.add(e.sum())
     plan.ratio("mismatch/tokens", {n: 1.0})
-    plan.ratio("mismatch/nonfinite_count", {nonfinite: 1.0})
+    plan.ratio("mismatch/nonfinite_count", {n_in: 1.0, n: -1.0})
     plan.ratio("mismatch/log_ratio_mean", {s_lr: 1.0}, n)
     plan.ratio("mismatch/kl_k1_mean", {s_lr: -1.0}, n)
     plan.ratio("mismatch/kl_k3_mean", {s_e: 1.0, s_lr: -1.0}, n)
@@ -149,23 +162,14 @@ def add_mismatch_metrics(plan: MetricPlan, mm: Mismatch, *, full: bool = False) 
         plan.ratio("mismatch/chi2_mean", {s_chi: 1.0}, n)
         mean = lr.sum() / mm.tokens.clamp(min=1)  # lies inside [min, max] of the valid values
         lo, hi = _extremes(torch.where(mm.valid, lr, mean))
-        plan.extreme("mismatch/ratio_min", lo.neg(), empty=n, sign=-1.0)
-        plan.extreme("mismatch/ratio_max", hi, empty=n)
+        plan.extreme("mismatch/ratio_min", lo.neg(), empty=n, sign=-1.0, exp=True)
+        plan.extreme("mismatch/ratio_max", hi, empty=n, exp=True)
+    if mm.acceptance is not None:
+        acc, ok = _acceptance_valid(mm)
+        k_ok = plan.add(count(ok))
+        plan.ratio("mismatch/acceptance_mean", {plan.add(torch.where(ok, acc, 0.0).sum()): 1.0}, k_ok)
 
 
-def _exp_extremes(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The ratio extremes are registered as log-ratios; report them as ratios."""
-    for key in ("mismatch/ratio_min", "mismatch/ratio_max"):
-        if key in out:
-            out[key] = out[key].exp()
-    return out
-
-
-def _acceptance(mm: Mismatch, qs: Sequence[float], group) -> dict[str, torch.Tensor]:
+def _acceptance_valid(mm: Mismatch) -> tuple[torch.Tensor, torch.Tensor]:
     acc = mm.acceptance.detach().float()
-    ok = mm.valid & (acc.abs() < float("inf"))
-    total = all_reduce_sum(torch.stack([torch.where(ok, acc, 0.0).sum(), count(ok)]), group)
-    out = {"mismatch/acceptance_mean": total[0] / total[1].clamp(min=1)}
-    for q, v in zip(qs, _quantiles(acc, ok, qs, group) if qs else ()):
-        out[f"mismatch/acceptance_{quantile_name(q)}"] = v
-    return out
+    return acc, mm.valid & finite_mask(acc)
