@@ -45,3 +45,13 @@ def test_core_never_imports_an_integration():
                      if n.split(".")[0] in forbidden]
     assert not hits, hits
     assert not list(core.glob("demo/*.py")) and not list(core.glob("assets/demo_model/*"))
+
+
+def test_quickstart_has_two_commands_and_ci_runs_the_test_one():
+    text = README.read_text()
+    section = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0]
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+    assert commands == ["make demo", "make test"]
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "\nmake test" in ci
