@@ -48,7 +48,8 @@ class SurrogateInputs:
     Attributes:
         logp: learner log-probs (carry the gradient; any float dtype).
         old_logp: float32 detached dense log-probs.
-        log_ratio: float32 detached \(\text{logp} - \text{old\_logp}\), 0 where not kept.
+        log_ratio: float32 detached \(\text{logp} - \text{old\_logp}\), 0 where not kept; a
+            scratch copy the surrogate may overwrite (``PPOClip`` does, to save a buffer).
         kept: bool, the tokens in the loss.
         advantages: float32 ``[B, 1]`` or ``[B, T]``.
         neg_weighted_adv: float32 ``[B, T]`` \(-w_t A\), 0 where not kept.
@@ -91,21 +92,24 @@ class SurrogateOutput:
 
 class _PPOClip(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, log_ratio, neg_wa, lo_m1, hi_m1, scales):
+    def forward(ctx, logp, log_ratio, neg_wa, lo_m1, hi_m1, scales, neg_rows, dual):
         with torch.no_grad():
-            em1 = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expm1_()  # rho - 1, 0 off-loss
+            lr_sum = log_ratio.sum()
+            # in place on the caller's scratch copy: rho - 1, exactly 0 off the loss
+            em1 = log_ratio.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expm1_()
             clipped = torch.clamp(em1, lo_m1, hi_m1)
-            token_loss = torch.addcmul(neg_wa, clipped, neg_wa)  # (1 + clipped) * (-w A)
-            loss = (token_loss.sum(dim=1) * scales).sum()
             # 1 where the clamp moved rho (no gradient), 0 where it did not: float arithmetic,
             # not a bool comparison (those take torch's slow CPU path)
             moved = torch.sub(em1, clipped).sign_().abs_()
-            grad = torch.addcmul(token_loss, token_loss, moved, value=-1.0)
+            stats = _clip_counts(moved, em1, neg_rows, dual)
+            token_loss = clipped.add_(1.0).mul_(neg_wa)  # (1 + clipped) * (-w A), in place
+            loss = (token_loss.sum(dim=1) * scales).sum()
+            grad = moved.neg_().add_(1.0).mul_(token_loss)  # token_loss where unclipped, in place
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(grad, scales)
         ctx.logp_dtype = logp.dtype
-        ctx.mark_non_differentiable(em1, moved)
-        return token_loss, loss, em1, moved
+        ctx.mark_non_differentiable(em1, lr_sum, stats)
+        return token_loss, loss, em1, lr_sum, stats
 
     @staticmethod
     def backward(ctx, g_token_loss, g_loss, *_):
@@ -116,8 +120,20 @@ class _PPOClip(torch.autograd.Function):
         if g_token_loss is not None:
             coef = g_token_loss if coef is None else coef + g_token_loss
         if coef is None:
-            return (None,) * 6
-        return (coef * grad).to(ctx.logp_dtype), None, None, None, None, None
+            return (None,) * 8
+        return (coef * grad).to(ctx.logp_dtype), None, None, None, None, None, None, None
+
+
+def _clip_counts(moved: torch.Tensor, em1: torch.Tensor, neg: torch.Tensor, dual: bool) -> torch.Tensor:
+    """``[all, negative-advantage, dual]`` clipped-token counts (``neg``: float 1 where A < 0,
+    ``[B, 1]`` or ``[B, T]``)."""
+    if neg.shape[1] == 1:
+        rows = moved.sum(dim=1)
+        c_all, c_neg = rows.sum(), torch.dot(rows, neg.reshape(-1))
+    else:
+        c_all, c_neg = moved.sum(), torch.dot(moved.reshape(-1), neg.reshape(-1))
+    c_dual = (moved * neg * as_float(em1 > 0)).sum() if dual else c_all.new_zeros(())
+    return torch.stack([c_all, c_neg, c_dual])
 
 
 @lru_cache(maxsize=64)
@@ -134,29 +150,20 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
     lo = torch.where(pos, _constant(-1.0, dev), _constant(-clip_low, dev))
     big = _HUGE_M1 if dual_clip is None else dual_clip - 1.0
     hi = torch.where(pos, _constant(clip_high, dev), _constant(big, dev))
-    token_loss, loss, em1, moved = _PPOClip.apply(x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi,
-                                                   x.scales)
-    return SurrogateOutput(token_loss, loss, sums=lambda: _ppo_sums(x, em1, moved, dual_clip),
+    neg = as_float(~pos)
+    token_loss, loss, em1, lr_sum, stats = _PPOClip.apply(
+        x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi, x.scales, neg, dual_clip is not None)
+    return SurrogateOutput(token_loss, loss, sums=lambda: _ppo_sums(x.n, em1, lr_sum, stats, dual_clip),
                            extra=lambda: ratio_extremes(em1, x.kept, x.n))
 
 
-def _ppo_sums(x: SurrogateInputs, em1: torch.Tensor, moved: torch.Tensor, dual_clip) -> dict:
-    """Kept-token sums of the PPO metrics: clipped tokens by side, the ratio, ``-log ratio``.
-
-    ``moved`` is 1 where the clamp clipped the ratio; off-loss entries are 0 there (rho - 1 = 0
-    lies inside every clamp)."""
-    adv = x.advantages
-    neg = as_float(adv < 0)
-    if adv.shape[1] == 1:
-        rows = moved.sum(dim=1)
-        c_all, c_neg = rows.sum(), torch.dot(rows, neg.reshape(-1))
-    else:
-        c_all, c_neg = moved.sum(), torch.dot(moved.reshape(-1), neg.reshape(-1))
+def _ppo_sums(n, em1: torch.Tensor, lr_sum: torch.Tensor, stats: torch.Tensor, dual_clip) -> dict:
+    """Kept-token sums of the PPO metrics: clipped tokens by side, the ratio, ``-log ratio``."""
+    c_all, c_neg, c_dual = stats.unbind()
     out = {"loss/clip_frac_high": ((c_all, 1.0), (c_neg, -1.0)), "loss/clip_frac_low": c_neg,
            "loss/ratio_mean": (("n", 1.0), (em1.sum(), 1.0)),
-           "loss/ppo_kl_k1_mean": ((x.log_ratio.sum(), -1.0),)}
+           "loss/ppo_kl_k1_mean": ((lr_sum, -1.0),)}
     if dual_clip is not None:
-        c_dual = (moved * as_float((em1 > 0) & (adv < 0))).sum()
         out["loss/clip_frac_low"] = ((c_neg, 1.0), (c_dual, -1.0))
         out["loss/clip_frac_dual"] = c_dual
     return out

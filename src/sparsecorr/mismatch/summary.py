@@ -149,8 +149,9 @@ def add_mismatch_metrics(plan: MetricPlan, mm: Mismatch, *, full: bool = False) 
     plan.ratio("mismatch/log_ratio_mean", {s_lr: 1.0}, n)
     plan.ratio("mismatch/kl_k1_mean", {s_lr: -1.0}, n)
     plan.ratio("mismatch/kl_k3_mean", {s_e: 1.0, s_lr: -1.0}, n)
-    # log-ratios are 0 off the valid tokens, so the largest |l| over all entries is exact
-    abs_max = lr.abs().amax() if lr.numel() else lr.new_zeros(())
+    # log-ratios are 0 off the valid tokens, so max(-min, max) over all entries is exact
+    lo, hi = _extremes(lr)
+    abs_max = torch.maximum(hi, lo.neg())
     plan.extreme("mismatch/log_ratio_abs_max", abs_max, empty=n, fill=0.0)
     if full:
         flat_lr, flat_e = lr.reshape(-1), e.reshape(-1)
