@@ -42,16 +42,8 @@ def _check_dual(d: object) -> None:
 
 
 @dataclass(frozen=True)
-class PPOClip:
-    r"""Clipped PPO surrogate (GRPO, DAPO, Sparse-RL, TRL's ``grpo``/``dapo``/``bnpo``/``dr_grpo``).
-
-    Args:
-        clip_low: \(\varepsilon_l\) (0.2 PPO and DAPO).
-        clip_high: \(\varepsilon_h\) (0.2 PPO; 0.28 DAPO and Sparrow).
-        dual_clip: \(c > 1\): for \(A<0\) the objective is also bounded by \(cA\) (Ye et al.
-            2020). TRL's two-sided clip ``delta`` is the same bound (``min(\rho,\delta)``
-            on the unclipped branch), tested against TRL.
-    """
+class _Clip:
+    """The clip range shared by ``PPOClip`` and ``GSPO``, checked once."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -62,24 +54,31 @@ class PPOClip:
         _check_eps("clip_high", self.clip_high)
         _check_dual(self.dual_clip)
 
+
+@dataclass(frozen=True)
+class PPOClip(_Clip):
+    r"""Clipped PPO surrogate (GRPO, DAPO, Sparse-RL, TRL's ``grpo``/``dapo``/``bnpo``/``dr_grpo``).
+
+    Args:
+        clip_low: \(\varepsilon_l\) (0.2 PPO and DAPO).
+        clip_high: \(\varepsilon_h\) (0.2 PPO; 0.28 DAPO and Sparrow).
+        dual_clip: \(c > 1\): for \(A<0\) the objective is also bounded by \(cA\) (Ye et al.
+            2020). TRL's two-sided clip ``delta`` is the same bound (``min(\rho,\delta)``
+            on the unclipped branch), tested against TRL.
+    """
+
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
         return ppo_clip_forward(x, clip_low=self.clip_low, clip_high=self.clip_high,
                                 dual_clip=self.dual_clip)
 
 
 @dataclass(frozen=True)
-class GSPO:
+class GSPO(_Clip):
     r"""GSPO (Zheng et al. 2025): one length-normalised ratio per sequence, tight clip
     (\(\varepsilon_l = 3\times10^{-4}\), \(\varepsilon_h = 4\times10^{-4}\))."""
 
     clip_low: float = 3e-4
     clip_high: float = 4e-4
-    dual_clip: float | None = None
-
-    def __post_init__(self) -> None:
-        _check_eps("clip_low", self.clip_low, below_one=True)
-        _check_eps("clip_high", self.clip_high)
-        _check_dual(self.dual_clip)
 
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
         kept, adv = x.kept, x.advantages
