@@ -17,7 +17,7 @@ SHARED = {"_checks", "_io", "_dist", "_modes", "_masks"}
 ALLOWED = {
     "mismatch": set(),
     "correction": {"mismatch"},
-    "losses": {"mismatch", "correction", "decoding"},  # DistillSparse's adapter step decodes
+    "losses": {"mismatch", "correction"},
     "decoding": {"mismatch"},
     "schedules": {"mismatch", "decoding"},
     "pruning": set(),
