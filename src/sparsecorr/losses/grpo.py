@@ -250,7 +250,8 @@ def sparse_grpo(
         neg_wa = as_float(kept) * neg_adv if w is None else zero_outside_(w * neg_adv, kept)
     scales = agg.row_scales(kept, tokens=n)
     out = sur(SurrogateInputs(logp=logp, old_logp=old_logp.detach().float(), log_ratio=lr,
-                              kept=kept, advantages=adv, neg_weighted_adv=neg_wa, scales=scales, n=n))
+                              kept=kept, advantages=adv, neg_weighted_adv=neg_wa, scales=scales, n=n,
+                              metrics=metrics != "none"))
     token_loss, loss = out.token_loss, out.loss
     pg_loss = loss.detach()
     k3 = None
@@ -314,7 +315,7 @@ def _metrics(out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
     if fallback is not None:
         plan.value("loss/normalizer_fallback", fallback)
     if mm is not None:
-        plan.ratio("loss/nonfinite_rollout", {plan.add(mm.nonfinite): 1.0})
+        plan.ratio("loss/nonfinite_rollout", {plan.add(mm.input_tokens): 1.0, plan.add(mm.tokens): -1.0})
         add_mismatch_metrics(plan, mm, full=full)
     if corr is not None:
         corr.add_metrics(plan, full=full)

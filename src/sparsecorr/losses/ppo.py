@@ -55,6 +55,8 @@ class SurrogateInputs:
         neg_weighted_adv: float32 ``[B, T]`` \(-w_t A\), 0 where not kept.
         scales: ``[B]`` row scales of the aggregation.
         n: 0-d number of kept tokens.
+        metrics: whether the caller will read the metrics (``PPOClip`` counts its clipped tokens
+            during the forward pass only then).
     """
 
     logp: torch.Tensor
@@ -65,6 +67,7 @@ class SurrogateInputs:
     neg_weighted_adv: torch.Tensor
     scales: torch.Tensor
     n: torch.Tensor
+    metrics: bool = True
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class _PPOClip(torch.autograd.Function):
             # 1 where the clamp moved rho (no gradient), 0 where it did not: float arithmetic,
             # not a bool comparison (those take torch's slow CPU path)
             moved = torch.sub(em1, clipped).sign_().abs_()
-            stats = _clip_counts(moved, em1, neg_rows, dual)
+            stats = _clip_counts(moved, em1, neg_rows, dual) if neg_rows is not None else lr_sum
             token_loss = clipped.add_(1.0).mul_(neg_wa)  # (1 + clipped) * (-w A), in place
             loss = (token_loss.sum(dim=1) * scales).sum()
             grad = moved.neg_().add_(1.0).mul_(token_loss)  # token_loss where unclipped, in place
@@ -150,7 +153,7 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
     lo = torch.where(pos, _constant(-1.0, dev), _constant(-clip_low, dev))
     big = _HUGE_M1 if dual_clip is None else dual_clip - 1.0
     hi = torch.where(pos, _constant(clip_high, dev), _constant(big, dev))
-    neg = as_float(~pos)
+    neg = as_float(~pos) if x.metrics else None
     token_loss, loss, em1, lr_sum, stats = _PPOClip.apply(
         x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi, x.scales, neg, dual_clip is not None)
     return SurrogateOutput(token_loss, loss, sums=lambda: _ppo_sums(x.n, em1, lr_sum, stats, dual_clip),

@@ -71,6 +71,7 @@ class MetricPlan:
         self._ratios: list[tuple[str, tuple, int | None, float]] = []
         self._extremes: list[tuple[str, torch.Tensor, int | None, float, float]] = []
         self._exp: set[str] = set()
+        self._local_exact: set[str] = set()
         self._values: dict[str, torch.Tensor] = {}
 
     def add(self, x: torch.Tensor) -> int:
@@ -85,13 +86,17 @@ class MetricPlan:
         self._ratios.append((name, tuple(sorted(num.items())), den, offset))
 
     def extreme(self, name: str, x: torch.Tensor, *, empty: int | None = None, sign: float = 1.0,
-                fill: float = float("nan"), exp: bool = False) -> None:
+                fill: float = float("nan"), exp: bool = False, local_exact: bool = False) -> None:
         """``name = sign * x`` where ``x`` is a 0-d maximum (pass ``-min`` with ``sign=-1`` for a
         minimum); ``fill`` (NaN) when the sum ``empty`` (a count) is 0. Max-reduced over ranks.
-        ``exp``: report ``exp`` of it (a ratio extreme from a log-ratio extreme)."""
+        ``exp``: report ``exp`` of it (a ratio extreme from a log-ratio extreme).
+        ``local_exact``: ``x`` is already the metric on one process, ``fill`` included (then
+        only a process group needs the batched form)."""
         self._extremes.append((name, x.reshape(()).float(), empty, sign, fill))
         if exp:
             self._exp.add(name)
+        if local_exact:
+            self._local_exact.add(name)
 
     def value(self, name: str, x: torch.Tensor) -> None:
         """A metric computed elsewhere, passed through."""
@@ -112,15 +117,19 @@ class MetricPlan:
             coef, den, off = _tables(spec, n, full.device)
             vals = torch.addcdiv(off, coef @ full, full[den].clamp(min=1e-30)).unbind()
             out.update(zip((r[0] for r in self._ratios), vals))
-        if self._extremes:
-            ext = torch.stack([x for _, x, *_ in self._extremes])
-            spec = tuple((e, sign, fill) for _, _, e, sign, fill in self._extremes)
+        extremes = self._extremes
+        if group is None and self._local_exact:
+            out.update((e[0], e[1]) for e in extremes if e[0] in self._local_exact)
+            extremes = [e for e in extremes if e[0] not in self._local_exact]
+        if extremes:
+            ext = torch.stack([x for _, x, *_ in extremes])
+            spec = tuple((e, sign, fill) for _, _, e, sign, fill in extremes)
             idx, signs, fills = _extreme_tables(spec, n, ext.device)
             if group is not None:  # a shard without tokens must not move the others' extremes
                 local_counts = local[idx] if local is not None else torch.ones_like(ext)
                 ext = all_reduce_max(torch.where(local_counts > 0, ext, float("-inf")), group)
             present = full[idx] > 0 if full is not None else torch.ones_like(ext, dtype=torch.bool)
             vals = torch.where(present, ext * signs, fills).unbind()
-            out.update((e[0], v.exp() if e[0] in self._exp else v) for e, v in zip(self._extremes, vals))
+            out.update((e[0], v.exp() if e[0] in self._exp else v) for e, v in zip(extremes, vals))
         out.update(self._values)
         return out

@@ -152,7 +152,7 @@ def add_mismatch_metrics(plan: MetricPlan, mm: Mismatch, *, full: bool = False) 
     # log-ratios are 0 off the valid tokens, so max(-min, max) over all entries is exact
     lo, hi = _extremes(lr)
     abs_max = torch.maximum(hi, lo.neg())
-    plan.extreme("mismatch/log_ratio_abs_max", abs_max, empty=n, fill=0.0)
+    plan.extreme("mismatch/log_ratio_abs_max", abs_max, empty=n, fill=0.0, local_exact=True)
     if full:
         flat_lr, flat_e = lr.reshape(-1), e.reshape(-1)
         s_abs = plan.add(lr.abs().sum())
