@@ -17,6 +17,7 @@ __all__ = [
     "check_dim",
     "check_float_tensor",
     "check_int",
+    "check_int_list",
     "check_int_tensor",
     "check_levels",
     "check_mask",
@@ -157,6 +158,15 @@ def check_int(name: str, value: object, *, low: int | None = None, high: int | N
         if allow_none:
             expected += " or None"
         raise ValueError(f"{name}: expected {expected}{why}, got {value!r}")
+
+
+def check_int_list(name: str, values: object, *, low: int = 1) -> None:
+    """Raise unless ``values`` is a non-empty list or tuple of ints >= ``low`` (bools refused);
+    a bad entry is named ``name[i]``."""
+    if not isinstance(values, (list, tuple)) or not values:
+        raise ValueError(f"{name}: expected a non-empty list of positive ints, got {values!r}")
+    for i, v in enumerate(values):
+        check_int(f"{name}[{i}]", v, low=low)
 
 
 def check_number(name: str, value: object, *, low: float | None = None, high: float | None = None,

@@ -33,7 +33,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from .._checks import check_choice, check_int, check_int_tensor, check_number, check_probability
+from .._checks import (
+    check_choice,
+    check_int,
+    check_int_list,
+    check_int_tensor,
+    check_number,
+    check_probability,
+)
 from .._io import check_writable_dir
 from ..mismatch import acceptance_rate_topk
 from .table import CalibrationTable, check_table_size
@@ -160,10 +167,7 @@ def _validated_settings(prompts: Any, *, policy: Any, budgets: Any, bin_size: An
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != prompts.shape:
             got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
             raise ValueError(f"attention_mask: expected shape {tuple(prompts.shape)}, got {got}")
-    if not isinstance(budgets, (list, tuple)) or not budgets:
-        raise ValueError(f"budgets: expected a non-empty list of positive ints, got {budgets!r}")
-    for i, b in enumerate(budgets):
-        check_int(f"budgets[{i}]", b, low=1)
+    check_int_list("budgets", budgets)
     check_int("bin_size", bin_size, low=1)
     check_int("n_bins", n_bins, low=1)
     check_table_size(len(set(budgets)), n_bins)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._checks import check_int, check_number, check_probability
+from .._checks import check_int, check_int_list, check_number, check_probability
 from .._checks import field as json_field
 from ..mismatch import BinnedQuantileSketch
 from .schedule import BudgetSchedule
@@ -54,10 +54,7 @@ class TailController:
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, BudgetSchedule):
             raise ValueError(f"schedule: expected a BudgetSchedule, got {type(self.schedule).__name__}")
-        if not isinstance(self.candidates, (list, tuple)) or not self.candidates:
-            raise ValueError(f"candidates: expected a non-empty list of positive ints, got {self.candidates!r}")
-        for i, c in enumerate(self.candidates):
-            check_int(f"candidates[{i}]", c, low=1)
+        check_int_list("candidates", self.candidates)
         check_probability("tau", self.tau)
         check_probability("q", self.q)
         check_number("margin", self.margin, low=0)

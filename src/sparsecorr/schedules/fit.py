@@ -20,7 +20,7 @@ import warnings
 
 import numpy as np
 
-from .._checks import check_int, check_probability
+from .._checks import check_int, check_int_list, check_probability
 from .cost import DEFAULT_L_IN, DEFAULT_N, CostModel
 from .schedule import BudgetSchedule
 from .table import CalibrationTable
@@ -40,10 +40,7 @@ def schedule_cost_matrix(budgets: list[int], n_bins: int, bin_size: int,
     lies in ``[i * bin_size, (i + 1) * bin_size)``; a bin inside the prompt costs nothing (and
     ties break toward the smaller budget).
     """
-    if not isinstance(budgets, (list, tuple)) or not budgets:
-        raise ValueError(f"budgets: expected a non-empty list of positive ints, got {budgets!r}")
-    for j, b in enumerate(budgets):
-        check_int(f"budgets[{j}]", b, low=1)
+    check_int_list("budgets", budgets)
     check_int("n_bins", n_bins, low=1)
     check_int("bin_size", bin_size, low=1)
     if cost_model is not None and not isinstance(cost_model, CostModel):

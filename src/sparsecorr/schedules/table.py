@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .._checks import check_int, check_probability
+from .._checks import check_int, check_int_list, check_probability
 from .._checks import field as json_field
 from .._io import atomic_write_json
 from ..mismatch import BinnedQuantileSketch
@@ -70,10 +70,7 @@ class CalibrationTable:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.budgets, (list, tuple)) or not self.budgets:
-            raise ValueError(f"budgets: expected a non-empty list of positive ints, got {self.budgets!r}")
-        for i, b in enumerate(self.budgets):
-            check_int(f"budgets[{i}]", b, low=1)
+        check_int_list("budgets", self.budgets)
         check_int("bin_size", self.bin_size, low=1)
         check_int("n_bins", self.n_bins, low=1)
         check_probability("q", self.q)
