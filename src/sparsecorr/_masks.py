@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["as_float", "finite_mask", "row_any", "zero_outside_"]
+__all__ = ["as_float", "row_any", "zero_outside_"]
 
 
 def _u8(mask: torch.Tensor) -> torch.Tensor:
@@ -36,8 +36,3 @@ def row_any(mask: torch.Tensor) -> torch.Tensor:
         return torch.zeros(mask.shape[:-1], dtype=torch.bool, device=mask.device)
     return _u8(mask).amax(dim=-1).bool()
 
-
-def finite_mask(x: torch.Tensor) -> torch.Tensor:
-    """``isfinite(x)`` in two kernels (``|x| < inf`` is False for NaN and ±inf; torch's own
-    ``isfinite`` takes four)."""
-    return x.abs() < float("inf")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import count
+from .._checks import count, finite
 from .._dist import all_reduce_sum
 from .._masks import row_any, zero_outside_
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch, masked_quantile
@@ -179,7 +179,7 @@ class TailReject:
             raise ValueError("acceptance: expected per-token acceptance rates in the record "
                              "(measure(..., acceptance=...)) for the tail rejection, got None")
         acc = mm.acceptance.detach().float()
-        clean = mm.valid & (acc.abs() < math.inf)
+        clean = mm.valid & finite(acc)
         if acc.shape[-1] == 0:
             ok = torch.zeros(acc.shape[0], dtype=torch.bool, device=acc.device)
         else:
@@ -204,7 +204,7 @@ class OPSM:
         valid, lr = mm.valid, mm.log_ratio
         if mm.logp is not None:
             raw = mm.logp.float() - mm.rollout_logp.detach().float()
-            valid = valid & (raw.abs() < math.inf)
+            valid = valid & finite(raw)
             lr = torch.where(valid, raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
         adv = mm.advantages.detach().float()
         if adv.dim() == 2 and adv.shape[1] != 1:  # per-token advantages: the sign of the row mean

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_choice, check_float_tensor, check_positive
+from .._checks import check_choice, check_float_tensor, check_positive, finite
 
 __all__ = ["group_advantages"]
 
@@ -62,8 +62,8 @@ def group_advantages(
     elif not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.shape != rewards.shape:
         raise ValueError(f"valid: expected a bool tensor of shape {tuple(rewards.shape)}, got "
                          f"{getattr(valid, 'dtype', type(valid))} {tuple(getattr(valid, 'shape', ()))}")
-    finite = rewards.float().abs() < float("inf")
-    valid = valid & finite
+    ok = finite(rewards.float())
+    valid = valid & ok
     r = torch.where(valid, rewards.float(), 0.0).reshape(-1, group_size)
     v = valid.reshape(-1, group_size).float()
     n = v.sum(dim=1, keepdim=True)
@@ -74,4 +74,4 @@ def group_advantages(
         var = centred.square().sum(dim=1, keepdim=True) / (n - 1.0).clamp(min=1.0)
         adv = centred / (var.sqrt() + eps)
     adv = adv.reshape(-1) * valid.float()
-    return torch.where(finite, adv, float("nan"))
+    return torch.where(ok, adv, float("nan"))

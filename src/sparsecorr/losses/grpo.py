@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_choice, check_float_tensor, check_mask, check_same_shape, count
-from .._masks import as_float, finite_mask, row_any, zero_outside_
+from .._checks import check_choice, check_float_tensor, check_mask, check_same_shape, count, finite
+from .._masks import as_float, row_any, zero_outside_
 from ..correction import Correction
 from ..mismatch import (
     LOG_RATIO_CLAMP,
@@ -50,7 +50,6 @@ from .surrogate import SURROGATES
 __all__ = ["METRIC_LEVELS", "KLPenalty", "sparse_grpo"]
 
 METRIC_LEVELS = ("none", "default", "full")
-_INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -144,9 +143,9 @@ def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
     adv = advantages.detach().float()
     if adv.dim() == 1 or adv.shape[1] == 1:
         adv = adv.reshape(-1, 1)
-        ok = finite_mask(adv)
+        ok = finite(adv)
         return adv.nan_to_num(0.0, 0.0, 0.0), kept.logical_and_(ok), lambda: count(~ok)
-    ok = finite_mask(adv)
+    ok = finite(adv)
     bad = kept & ~ok
     return adv.nan_to_num(0.0, 0.0, 0.0), kept.logical_and_(ok), lambda: count(row_any(bad))
 
@@ -237,10 +236,10 @@ def sparse_grpo(
     with torch.no_grad():
         # the learner side: logp - old_logp must be finite (covers old_logp without a record)
         raw = logp.detach().float() - old_logp.detach().float()
-        kept = finite_mask(raw).logical_and_(base)
+        kept = finite(raw).logical_and_(base)
         use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
         if use_ref:
-            kept &= finite_mask(ref_logp.detach())
+            kept &= finite(ref_logp.detach())
         adv, kept, bad_adv = _advantages(advantages, kept)
         # in place on our own copy: clean, zero outside the loss (multiplies, not torch.where)
         lr = zero_outside_(raw.nan_to_num_(0.0, 0.0, 0.0), kept)

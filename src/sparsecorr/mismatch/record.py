@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import check_float_tensor, check_mask, check_same_shape, count
-from .._masks import finite_mask, row_any, zero_outside_
+from .._checks import check_float_tensor, check_mask, check_same_shape, count, finite
+from .._masks import row_any, zero_outside_
 
 __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
 
@@ -183,7 +183,7 @@ def measure(
             check_same_shape(old_logp=old_logp, logp=logp)
     with torch.no_grad():
         raw = old_logp.detach().float() - rollout_logp.detach().float()
-        valid = finite_mask(raw).logical_and_(mask)
+        valid = finite(raw).logical_and_(mask)
         # in place: clean, clamp, zero outside the valid tokens (a multiply, not torch.where)
         lr = zero_outside_(raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), valid)
     return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,

@@ -27,9 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .._checks import check_choice, count
+from .._checks import check_choice, count, finite
 from .._dist import all_gather_varlen
-from .._masks import finite_mask
 from .plan import MetricPlan
 from .quantiles import masked_quantile
 from .record import Mismatch, measure
@@ -173,4 +172,4 @@ def add_mismatch_metrics(plan: MetricPlan, mm: Mismatch, *, full: bool = False) 
 
 def _acceptance_valid(mm: Mismatch) -> tuple[torch.Tensor, torch.Tensor]:
     acc = mm.acceptance.detach().float()
-    return acc, mm.valid & finite_mask(acc)
+    return acc, mm.valid & finite(acc)

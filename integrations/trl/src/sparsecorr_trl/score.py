@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from trl.models.utils import disable_gradient_checkpointing
 
-from sparsecorr._checks import count
+from sparsecorr._checks import count, finite
 from sparsecorr.mismatch import acceptance_rate_topk, measure, mismatch_metrics, topk_logprobs
 from sparsecorr_trl.advantages import trl_advantages
 
@@ -143,7 +143,7 @@ def score_rollouts(trainer, out: dict, *, topk: tuple | None) -> dict:
     if acc is not None and trainer.model.training:
         prompt_lengths = out["prompt_mask"].sum(1).long()
         for cb in trainer._callbacks():
-            cb.observe(acc, mm.valid & (acc.abs() < float("inf")), prompt_lengths)
+            cb.observe(acc, mm.valid & finite(acc), prompt_lengths)
     correction = trainer.sparsecorr_correction
     if correction is None:
         return out
