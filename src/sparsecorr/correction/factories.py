@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .._checks import check_choice, check_probability
+from .._checks import check_choice, check_number, check_probability
 from .base import CorrectionFn, chain
 from .peers import OPENRLHF_GATINGS, TRL_MODES, OpenRLHFCorrection, TRLCorrection
 from .presets import (
@@ -42,31 +42,18 @@ __all__ = [
 ]
 
 
-def _number(name: str, x: object, *, low: float = 0.0, strict: bool = False,
-            allow_none: bool = False, allow_inf: bool = False) -> None:
-    """Raise unless ``x`` is a real number >= ``low`` (> with ``strict``), finite unless allowed."""
-    if x is None and allow_none:
-        return
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
-    ok = ok and (x > low if strict else x >= low) and (allow_inf or x != math.inf)
-    if not ok:
-        bound = f"{'>' if strict else '>='} {low:g}"
-        extra = " or None" if allow_none else ""
-        raise ValueError(f"{name}: expected a {'' if allow_inf else 'finite '}number {bound}{extra}, "
-                         f"got {x!r}")
-
-
 def _band(low: object, high: object, *, names: tuple[str, str] = ("low", "high")) -> None:
-    _number(names[0], low)
-    _number(names[1], high, strict=True, allow_inf=True)
+    check_number(names[0], low, low=0)
+    if high != math.inf:  # an open-ended band is allowed
+        check_number(names[1], high, low=0, low_open=True)
     if not low < high:  # type: ignore[operator]
         raise ValueError(f"{names[0]}, {names[1]}: expected {names[0]} < {names[1]}, got "
                          f"{names[0]}={low!r}, {names[1]}={high!r}")
 
 
 def _cap(cap: object, floor: object) -> None:
-    _number("floor", floor)
-    _number("cap", cap, strict=True, allow_none=True)
+    check_number("floor", floor, low=0)
+    check_number("cap", cap, low=0, low_open=True, allow_none=True)
     if cap is not None and not cap > floor:  # type: ignore[operator]
         raise ValueError(f"cap: expected None or a number > floor ({floor!r}), got {cap!r}")
 
@@ -109,13 +96,13 @@ def geo_rs(low: float, high: float) -> BandMask:
 
 def veto(threshold: float = 1e-4) -> Veto:
     """Sequence veto at ratio ``threshold`` (Sparse-RL, Luo et al., ACL 2026: 1e-4)."""
-    _number("threshold", threshold, strict=True)
+    check_number("threshold", threshold, low=0, low_open=True)
     return Veto(threshold=threshold)
 
 
 def divergence(threshold: float, estimator: str = "k3", reduce: str = "max") -> Divergence:
     """k2/k3 sequence rejection (verl ``rollout_rs`` ``seq_max_k3``, ``seq_mean_k2``, ...)."""
-    _number("threshold", threshold)
+    check_number("threshold", threshold, low=0)
     check_choice("estimator", estimator, ("k2", "k3"))
     check_choice("reduce", reduce, ("max", "mean"))
     return Divergence(threshold=threshold, estimator=estimator, reduce=reduce)
@@ -123,7 +110,7 @@ def divergence(threshold: float, estimator: str = "k3", reduce: str = "max") -> 
 
 def opsm(delta: float) -> OPSM:
     """Off-policy sequence masking (DeepSeek-V3.2, 2025) with drift threshold ``delta``."""
-    _number("delta", delta)
+    check_number("delta", delta, low=0)
     return OPSM(delta=delta)
 
 
@@ -155,7 +142,7 @@ def sparse_rl(*, cap: float = 1.5, low: float = 0.5, high: float = 1.5, veto_thr
     """
     _cap(cap, 0.0)
     _band(low, high)
-    _number("veto_threshold", veto_threshold, strict=True)
+    check_number("veto_threshold", veto_threshold, low=0, low_open=True)
     return SparseRL(cap=cap, low=low, high=high, veto_threshold=veto_threshold, group=group)
 
 
@@ -176,8 +163,8 @@ def sparse_tail(q: float = 0.05, tau: float = 0.86, cap: float = 2.0):
 def trl(mode: str = "sequence_mask", clip_min: float | None = None, clip_max: float | None = 3.0) -> TRLCorrection:
     """TRL 1.16 ``vllm_importance_sampling_mode`` (default ``sequence_mask``, ``clip_max=3``)."""
     check_choice("mode", mode, TRL_MODES)
-    _number("clip_min", clip_min, allow_none=True)
-    _number("clip_max", clip_max, strict=True, allow_none=True)
+    check_number("clip_min", clip_min, low=0, allow_none=True)
+    check_number("clip_max", clip_max, low=0, low_open=True, allow_none=True)
     if clip_min is not None and clip_max is not None and not clip_min < clip_max:
         raise ValueError(f"clip_min, clip_max: expected clip_min < clip_max, got "
                          f"clip_min={clip_min!r}, clip_max={clip_max!r}")
@@ -201,7 +188,7 @@ def openrlhf(
     if gating == "ratio":
         _band(low, high, names=("threshold[0]", "threshold[1]"))
     else:
-        _number("threshold[1]", high, strict=True)
+        check_number("threshold[1]", high, low=0, low_open=True)
         if not (isinstance(low, (int, float)) and low == low and low <= 0):
             raise ValueError(f"threshold[0]: expected a number <= 0 (gating={gating!r} takes an "
                              f"upper bound only), got {low!r}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_choice, check_mask, count
+from .._checks import check_choice, check_mask, check_number, count
 
 __all__ = ["AGGREGATIONS", "Aggregation", "aggregate", "aggregation_coefficients", "row_scales"]
 
@@ -41,8 +41,7 @@ def _check_count(name: str, value: object) -> None:
         if value.numel() != 1:
             raise ValueError(f"{name}: expected a number or a 1-element tensor, got shape {tuple(value.shape)}")
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+    check_number(name, value, low=0)
 
 
 def _count(value: float | int | torch.Tensor | None, default: torch.Tensor, name: str) -> torch.Tensor:
@@ -85,9 +84,7 @@ class Aggregation:
         check_choice("aggregation", self.mode, AGGREGATIONS)
         _check_count("num_tokens", self.num_tokens)
         _check_count("num_sequences", self.num_sequences)
-        n = self.norm_length
-        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < math.inf):
-            raise ValueError(f"norm_length: expected a finite number > 0 or None, got {n!r}")
+        check_number("norm_length", self.norm_length, low=0, low_open=True, allow_none=True)
 
     def row_scales(self, mask: torch.Tensor, *, tokens: torch.Tensor | None = None) -> torch.Tensor:
         r"""``[B]`` row scales \(r_i\) (``row_scales`` with this mode and normalisers);
@@ -141,9 +138,7 @@ def row_scales(
         return torch.where(s > 0, 1.0 / (n_i.clamp(min=1.0) * s.clamp(min=1e-30)), 0.0)
     if mode == "seq-mean-token-sum":
         return _inverse(s).expand(b)
-    if norm_length is not None and (isinstance(norm_length, bool) or not isinstance(norm_length, (int, float))
-                                    or not 0 < norm_length < math.inf):
-        raise ValueError(f"norm_length: expected a finite number > 0 or None, got {norm_length!r}")
+    check_number("norm_length", norm_length, low=0, low_open=True, allow_none=True)
     length = float(max(mask.shape[1], 1)) if norm_length is None else float(norm_length)
     return _inverse(length * s).expand(b)
 

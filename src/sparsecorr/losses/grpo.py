@@ -23,13 +23,20 @@ whose advantage is, leaves the loss and is counted (``loss/nonfinite_tokens``,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_choice, check_float_tensor, check_mask, check_same_shape, count, finite
+from .._checks import (
+    check_choice,
+    check_float_tensor,
+    check_mask,
+    check_number,
+    check_same_shape,
+    count,
+    finite,
+)
 from .._masks import as_float, row_any, zero_outside_
 from ..correction import Correction
 from ..mismatch import (
@@ -68,9 +75,7 @@ class KLPenalty:
     bias_correction: bool = False
 
     def __post_init__(self) -> None:
-        c = self.coef
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < math.inf:
-            raise ValueError(f"kl: expected a finite coefficient >= 0, got {c!r}")
+        check_number("kl", self.coef, low=0)
 
 
 def _surrogate(surrogate: object) -> Callable:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import count
+from .._checks import check_number, count
 from ..mismatch import LOG_RATIO_CLAMP
 from .ppo import SurrogateInputs, SurrogateOutput, ppo_clip_forward
 
@@ -31,14 +31,11 @@ __all__ = ["CISPO", "GSPO", "SAPO", "SURROGATES", "PPOClip", "SurrogateInputs", 
 
 
 def _check_eps(name: str, x: object, *, below_one: bool = False) -> None:
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and 0 <= x < math.inf
-    if not ok or (below_one and x >= 1):
-        raise ValueError(f"{name}: expected a number in [0, {'1)' if below_one else 'inf)'}, got {x!r}")
+    check_number(name, x, low=0, high=1 if below_one else None, high_open=True)
 
 
 def _check_dual(d: object) -> None:
-    if d is not None and not (isinstance(d, (int, float)) and d == d and 1 < d < math.inf):
-        raise ValueError(f"dual_clip: expected None or a finite number > 1, got {d!r}")
+    check_number("dual_clip", d, low=1, low_open=True, allow_none=True)
 
 
 @dataclass(frozen=True)
@@ -105,8 +102,7 @@ class CISPO:
     cap: float = 5.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.cap, (int, float)) and self.cap == self.cap and 0 < self.cap < math.inf):
-            raise ValueError(f"cap: expected a finite number > 0, got {self.cap!r}")
+        check_number("cap", self.cap, low=0, low_open=True)
 
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
         r = x.log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -127,9 +123,7 @@ class SAPO:
 
     def __post_init__(self) -> None:
         for name in ("temperature_pos", "temperature_neg"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v == v and 0 < v < math.inf):
-                raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+            check_number(name, getattr(self, name), low=0, low_open=True)
 
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
         lr = torch.where(x.kept, x.logp.float() - x.old_logp, 0.0)
