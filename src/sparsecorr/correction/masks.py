@@ -18,10 +18,10 @@ import math
 
 import torch
 
-from .._checks import check_choice, check_float_tensor, check_mask, check_probability
+from .._checks import check_choice, check_float_tensor, check_mask, check_probability, count
 from ..mismatch import LOG_RATIO_CLAMP, masked_quantile, sequence_log_ratio
 
-__all__ = ["band_mask", "divergence_mask", "opsm_mask", "tail_mask", "veto_mask"]
+__all__ = ["band_mask", "divergence_mask", "divergence_stat", "opsm_mask", "tail_mask", "veto_mask"]
 
 LEVELS = ("token", "sequence", "geometric")
 
@@ -97,12 +97,21 @@ def divergence_mask(
     raw = old_logp.detach().float() - rollout_logp.detach().float()
     valid = mask & torch.isfinite(raw)
     lr = torch.where(valid, raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
+    return mask & (divergence_stat(lr, valid, estimator=estimator, reduce=reduce) <= threshold)[:, None]
+
+
+def divergence_stat(log_ratio: torch.Tensor, valid: torch.Tensor, *, estimator: str,
+                    reduce: str) -> torch.Tensor:
+    r"""``[B]`` max or mean over the valid tokens of \(k_2\) or \(k_3\); ``log_ratio`` must be
+    0 off the valid tokens (both estimators are then 0 there), as in a ``Mismatch`` record.
+    Rows without a valid token (and T = 0) give 0."""
+    lr = log_ratio
     k = 0.5 * lr.square() if estimator == "k2" else torch.expm1(lr) - lr
+    if lr.shape[-1] == 0:
+        return torch.zeros(lr.shape[0], device=lr.device)
     if reduce == "max":
-        stat = torch.where(valid, k, 0.0).amax(-1)
-    else:
-        stat = torch.where(valid, k, 0.0).sum(-1) / valid.sum(-1).clamp(min=1)
-    return mask & (stat <= threshold)[:, None]
+        return k.amax(-1)
+    return k.sum(-1) / count(valid, dim=-1).clamp(min=1)
 
 
 def tail_mask(

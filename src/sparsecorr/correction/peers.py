@@ -27,8 +27,9 @@ import torch
 
 from .._checks import check_choice, count
 from .._masks import row_any, zero_outside_
-from ..mismatch import LOG_RATIO_CLAMP, Mismatch
+from ..mismatch import Mismatch
 from .base import Correction, Count
+from .presets import row_log_ratio
 
 __all__ = ["OPENRLHF_GATINGS", "TRL_MODES", "OpenRLHFCorrection", "TRLCorrection"]
 
@@ -54,7 +55,7 @@ class TRLCorrection:
     def __call__(self, mm: Mismatch) -> Correction:
         lr = mm.log_ratio
         if self.mode.startswith("sequence"):
-            lr = lr.sum(-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expand_as(lr)
+            lr = row_log_ratio(mm, "sum")[:, None].expand_as(lr)
         ratio = lr.exp()
         lo = -math.inf if self.clip_min is None else self.clip_min
         hi = math.inf if self.clip_max is None else self.clip_max
@@ -95,7 +96,7 @@ class OpenRLHFCorrection:
         lr, clean = mm.log_ratio, mm.valid
         if self.gating == "ratio":
             if seq:
-                return (lr.sum(-1, keepdim=True) / count(clean, dim=-1, keepdim=True).clamp(min=1)).exp()
+                return row_log_ratio(mm, "mean")[:, None].exp()
             return lr.exp()
         p = mm.rollout_logp.detach().float().exp().clamp(1e-6, 1 - 1e-6)
         q = mm.old_logp.detach().float().exp().clamp(1e-6, 1 - 1e-6)

@@ -16,8 +16,9 @@ import torch
 from .._checks import count, finite
 from .._dist import all_reduce_sum
 from .._masks import row_any, zero_outside_
-from ..mismatch import LOG_RATIO_CLAMP, Mismatch, masked_quantile
+from ..mismatch import LOG_RATIO_CLAMP, Mismatch
 from .base import Correction, CorrectionFn, Count
+from .masks import divergence_stat, opsm_mask, tail_mask
 
 __all__ = [
     "OPSM",
@@ -152,14 +153,7 @@ class Divergence:
     reduce: str = "max"
 
     def __call__(self, mm: Mismatch) -> Correction:
-        lr = mm.log_ratio
-        k = 0.5 * lr.square() if self.estimator == "k2" else torch.expm1(lr) - lr  # 0 where invalid
-        if lr.shape[-1] == 0:
-            stat = torch.zeros(lr.shape[0], device=lr.device)
-        elif self.reduce == "max":
-            stat = k.amax(-1)
-        else:
-            stat = k.sum(-1) / count(mm.valid, dim=-1).clamp(min=1)
+        stat = divergence_stat(mm.log_ratio, mm.valid, estimator=self.estimator, reduce=self.reduce)
         bad = stat > self.threshold  # an empty row has statistic 0 <= threshold
         return Correction(mask=mm.valid & ~bad[:, None],
                           piece_metrics={"correction/divergence_rejected_seqs": Count(lambda: count(bad))},
@@ -178,15 +172,11 @@ class TailReject:
         if mm.acceptance is None:
             raise ValueError("acceptance: expected per-token acceptance rates in the record "
                              "(measure(..., acceptance=...)) for the tail rejection, got None")
-        acc = mm.acceptance.detach().float()
-        clean = mm.valid & finite(acc)
-        if acc.shape[-1] == 0:
-            ok = torch.zeros(acc.shape[0], dtype=torch.bool, device=acc.device)
-        else:
-            ok = masked_quantile(acc, clean, self.q, dim=1) >= self.tau  # NaN (empty row) fails
-        keep = clean & ok[:, None]
+        clean = mm.valid & finite(mm.acceptance)
+        keep = tail_mask(mm.acceptance, clean, q=self.q, tau=self.tau)
         return Correction(mask=keep, piece_metrics={
-            "correction/tail_rejected_seqs": Count(lambda: count(row_any(clean) & ~ok))}, source=mm)
+            "correction/tail_rejected_seqs": Count(lambda: count(row_any(clean) & ~row_any(keep)))},
+            source=mm)
 
 
 @dataclass(frozen=True)
@@ -206,14 +196,14 @@ class OPSM:
             raw = mm.logp.float() - mm.rollout_logp.detach().float()
             valid = valid & finite(raw)
             lr = torch.where(valid, raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
-        adv = mm.advantages.detach().float()
-        if adv.dim() == 2 and adv.shape[1] != 1:  # per-token advantages: the sign of the row mean
-            adv = torch.where(valid, adv, 0.0).sum(-1) / count(valid, dim=-1).clamp(min=1)
-        adv = adv.reshape(-1)
-        drift = -lr.sum(-1) / count(valid, dim=-1).clamp(min=1)
-        bad = (adv < 0) & (drift > self.delta)  # an empty row has drift 0 <= delta
-        return Correction(mask=valid & ~bad[:, None], piece_metrics={
-            "correction/opsm_rejected_seqs": Count(lambda: count(bad))}, source=mm)
+        adv = mm.advantages
+        if adv.dim() == 2 and adv.shape[1] == 1:
+            adv = adv[:, 0]
+        keep = opsm_mask(lr, valid, adv, delta=self.delta)
+        # a rejected row had a valid token (an empty row has drift 0 <= delta) and lost them all
+        return Correction(mask=keep, piece_metrics={
+            "correction/opsm_rejected_seqs": Count(lambda: count(row_any(valid) & ~row_any(keep)))},
+            source=mm)
 
 
 def _normalize(c: Correction, group: object | None) -> Correction:
