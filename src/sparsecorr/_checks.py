@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "as_float32",
+    "check_advantages",
     "check_choice",
     "check_dim",
     "check_float_tensor",
@@ -167,6 +168,17 @@ def check_int_list(name: str, values: object, *, low: int = 1) -> None:
         raise ValueError(f"{name}: expected a non-empty list of positive ints, got {values!r}")
     for i, v in enumerate(values):
         check_int(f"{name}[{i}]", v, low=low)
+
+
+def check_advantages(advantages: object, like: torch.Tensor, *, column: bool = True) -> None:
+    """Raise unless ``advantages`` is a tensor of shape ``[B]``, ``[B, T]`` (``like``'s) or,
+    with ``column``, ``[B, 1]``."""
+    b = like.shape[0]
+    shapes = [(b,), *([(b, 1)] if column else []), tuple(like.shape)]
+    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in shapes:
+        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        listed = ", ".join(str(s) for s in shapes[:-1])
+        raise ValueError(f"advantages: expected shape {listed} or {shapes[-1]}, got {got}")
 
 
 def check_number(name: str, value: object, *, low: float | None = None, high: float | None = None,

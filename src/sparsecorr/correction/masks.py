@@ -18,7 +18,14 @@ import math
 
 import torch
 
-from .._checks import check_choice, check_float_tensor, check_mask, check_probability, count
+from .._checks import (
+    check_advantages,
+    check_choice,
+    check_float_tensor,
+    check_mask,
+    check_probability,
+    count,
+)
 from ..mismatch import LOG_RATIO_CLAMP, masked_quantile, sequence_log_ratio
 
 __all__ = ["band_mask", "divergence_mask", "divergence_stat", "opsm_mask", "tail_mask", "veto_mask"]
@@ -147,12 +154,7 @@ def opsm_mask(
         log_ratio, mask: ``[B, T]``; advantages: ``[B]`` or ``[B, T]`` -> ``[B, T]`` bool.
     """
     _check("log_ratio", log_ratio, mask)
-    if not isinstance(advantages, torch.Tensor) or advantages.shape not in (
-        log_ratio.shape, log_ratio.shape[:1]
-    ):
-        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)
-        raise ValueError(f"advantages: expected shape {tuple(log_ratio.shape[:1])} or "
-                         f"{tuple(log_ratio.shape)}, got {got}")
+    check_advantages(advantages, log_ratio, column=False)
     adv = advantages.detach().float()
     if adv.dim() == 2:  # per-token advantages: the sequence's sign is that of its mean
         adv = torch.where(mask, adv, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)

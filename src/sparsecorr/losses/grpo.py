@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import (
+    check_advantages,
     check_choice,
     check_float_tensor,
     check_mask,
@@ -112,10 +113,8 @@ def _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp, mm) 
             check_float_tensor(name, t, ndim=2)
     check_mask(mask, logp)
     check_float_tensor("advantages", advantages)
+    check_advantages(advantages, logp)
     b, t = logp.shape
-    if tuple(advantages.shape) not in ((b,), (b, t), (b, 1)):
-        raise ValueError(f"advantages: expected shape ({b},), ({b}, 1) or ({b}, {t}), got "
-                         f"{tuple(advantages.shape)}")
     if mm is not None and tuple(mm.shape) != (b, t):
         raise ValueError(f"mismatch: expected a record of shape {(b, t)}, got {tuple(mm.shape)}")
 

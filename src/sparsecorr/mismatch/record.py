@@ -31,7 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import check_float_tensor, check_mask, check_same_shape, count, finite
+from .._checks import (
+    check_advantages,
+    check_float_tensor,
+    check_mask,
+    check_same_shape,
+    count,
+    finite,
+)
 from .._masks import row_any, zero_outside_
 
 __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
@@ -119,22 +126,13 @@ class Mismatch:
         """A copy (no tensor copied) carrying ``advantages`` / detached ``logp`` for corrections
         that read them (OPSM); it shares the cached counts with this record."""
         if advantages is not None:
-            _check_advantages(advantages, self.log_ratio)
+            check_advantages(advantages, self.log_ratio)
         if logp is not None:
             check_float_tensor("logp", logp)
             check_same_shape(old_logp=self.log_ratio, logp=logp)
             logp = logp.detach()
         return dataclasses.replace(self, advantages=advantages if advantages is not None else self.advantages,
                                    logp=logp if logp is not None else self.logp)
-
-
-def _check_advantages(advantages: object, like: torch.Tensor) -> None:
-    b = like.shape[0]
-    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in (
-        (b,), tuple(like.shape), (b, 1)
-    ):
-        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
-        raise ValueError(f"advantages: expected shape ({b},), ({b}, 1) or {tuple(like.shape)}, got {got}")
 
 
 def measure(
@@ -177,7 +175,7 @@ def measure(
             check_float_tensor("acceptance", acceptance, ndim=2)
             check_same_shape(old_logp=old_logp, acceptance=acceptance)
         if advantages is not None:
-            _check_advantages(advantages, old_logp)
+            check_advantages(advantages, old_logp)
         if logp is not None:
             check_float_tensor("logp", logp, ndim=2)
             check_same_shape(old_logp=old_logp, logp=logp)
