@@ -15,7 +15,7 @@ import torch
 
 from .._checks import count, finite
 from .._dist import all_reduce_sum
-from .._masks import row_any, zero_outside_
+from .._masks import and_rows, row_any, zero_outside_
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch
 from .base import Correction, CorrectionFn, Count
 from .masks import divergence_stat, opsm_mask, tail_mask
@@ -50,14 +50,22 @@ def row_log_ratio(mm: Mismatch, reduce: str) -> torch.Tensor:
     return s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def _above(lr: torch.Tensor, valid: torch.Tensor, t: float) -> torch.Tensor:
-    """Valid tokens with log-ratio above ``t`` (padding holds 0: no need to mask when t >= 0)."""
-    return lr > t if t >= 0 else valid & (lr > t)
+def _count_above(lr: torch.Tensor, valid: torch.Tensor, t: float) -> torch.Tensor:
+    """0-d float32: valid tokens with log-ratio above ``t``. ``relu(lr - t)`` is nonzero exactly
+    there (a float difference is 0 only between equal numbers), and ``count_nonzero`` reads it
+    directly: three fast kernels instead of the slow ``lr > t`` bool comparison. Padding holds
+    0, which is above ``t`` only when ``t < 0`` (then masked)."""
+    above = torch.sub(lr, t).relu_()
+    if t < 0:
+        zero_outside_(above, valid)
+    return count(above)
 
 
-def _in_band(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
-    """``lo <= x <= hi`` in two kernels (``clamp`` leaves exactly the in-band entries unchanged)."""
-    return torch.clamp(x, lo, hi) == x
+def _out_of_band(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
+    """bool ``not lo <= x <= hi`` (``x`` finite): ``clamp`` moves exactly the out-of-band
+    entries, and the difference it makes is nonzero exactly there (float-to-bool is a fast
+    kernel, the ``==`` comparison is not)."""
+    return torch.clamp(x, lo, hi).sub_(x).bool()
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,8 @@ class TIS:
     def __call__(self, mm: Mismatch) -> Correction:
         lo, hi = _log(self.floor, None), _log(self.cap, None)
         lr, valid = mm.log_ratio, mm.valid
-        w = zero_outside_(lr.exp().clamp_(min=self.floor, max=self.cap), valid)
-        outside = (lambda: valid & ~_in_band(lr, lo, hi)) if (lo, hi) != (None, None) else None
+        w = zero_outside_(mm.ratio_m1.add(1.0).clamp_(min=self.floor, max=self.cap), valid)
+        outside = (lambda: valid & _out_of_band(lr, lo, hi)) if (lo, hi) != (None, None) else None
         metrics = {"correction/truncated_frac": Count(lambda: count(outside()), per_token=True)
                    if outside else torch.zeros(())}
         return Correction(mask=valid, token_weights=w, piece_metrics=metrics, source=mm)
@@ -107,13 +115,13 @@ class BandMask:
         lo, hi = _log(self.low, None), _log(self.high, None)
         if self.level == "token":
             stat = mm.log_ratio
-            keep = _in_band(stat, lo, hi).logical_and_(mm.valid)
+            keep = torch.gt(mm.valid, _out_of_band(stat, lo, hi))  # valid and in the band
         else:
             stat = row_log_ratio(mm, "sum" if self.level == "sequence" else "mean")
-            keep = mm.valid & _in_band(stat, lo, hi)[:, None]
+            keep = and_rows(mm.valid, _out_of_band(stat, lo, hi).logical_not_())
         w = None
         if self.reweight:
-            w = stat.exp() if self.level == "token" else stat.exp()[:, None].expand(keep.shape).clone()
+            w = mm.ratio_m1.add(1.0) if self.level == "token" else stat.exp()[:, None].expand(keep.shape).clone()
             w = zero_outside_(w, keep)
         rejected = {"correction/band_rejected_frac": Count(lambda: count(keep), per_token=True,
                                                            coef=-1.0, offset=1.0)}
@@ -128,7 +136,7 @@ class Veto:
 
     def __call__(self, mm: Mismatch) -> Correction:
         bad = _veto_rows(mm, self.threshold)
-        keep = mm.valid & ~bad[:, None]
+        keep = and_rows(mm.valid, ~bad)
         # a vetoed row has a valid token below the threshold: it is never an empty row
         return Correction(mask=keep, piece_metrics={"correction/vetoed_seqs": Count(lambda: count(bad))},
                           source=mm)
@@ -137,6 +145,8 @@ class Veto:
 def _veto_rows(mm: Mismatch, threshold: float) -> torch.Tensor:
     """``[B]`` bool: rows with a valid token of ratio below ``threshold``."""
     t = math.log(threshold)
+    if t < 0 and mm.shape[-1] > 0:  # padding holds 0 > t: the row minimum decides (one reduction)
+        return mm.log_ratio.amin(dim=-1) < t
     below = mm.log_ratio < t
     if t >= 0:  # padding holds log-ratio 0, which would count as "below"
         below &= mm.valid
@@ -255,16 +265,16 @@ class SparseRL:
     def __call__(self, mm: Mismatch) -> Correction:
         lr, valid = mm.log_ratio, mm.valid
         lo, hi, cap = _log(self.low, None), _log(self.high, None), _log(self.cap, None)
-        c = torch.clamp(lr, lo, hi)
-        in_band = (c == lr).logical_and_(valid)
+        in_band = torch.gt(valid, _out_of_band(lr, lo, hi))
         bad = _veto_rows(mm, self.veto_threshold)
-        keep = in_band & ~bad[:, None]
-        w = c.exp_()  # on kept tokens lr is inside the band: c == lr there
-        if cap is not None and (hi is None or cap < hi):
-            w.clamp_(max=self.cap)
+        keep = and_rows(in_band, ~bad)
+        # TIS's weight, rho = expm1 + 1 from the record (shared with the k3 metric), capped
+        w = mm.ratio_m1.add(1.0)
+        if cap is not None:
+            w.clamp_(min=0.0, max=self.cap)
         zero_outside_(w, keep)
         metrics = {
-            "correction/truncated_frac": Count(lambda: count(_above(lr, valid, cap)), per_token=True)
+            "correction/truncated_frac": Count(lambda: _count_above(lr, valid, cap), per_token=True)
             if cap is not None else torch.zeros(()),
             "correction/band_rejected_frac": Count(lambda: count(in_band), per_token=True, coef=-1.0,
                                                    offset=1.0),

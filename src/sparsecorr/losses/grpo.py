@@ -37,8 +37,9 @@ from .._checks import (
     check_same_shape,
     count,
     finite,
+    finite_in,
 )
-from .._masks import as_float, row_any, zero_outside_
+from .._masks import and_, as_float, row_any, zero_outside_
 from ..correction import Correction
 from ..mismatch import (
     LOG_RATIO_CLAMP,
@@ -148,10 +149,10 @@ def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
     if adv.dim() == 1 or adv.shape[1] == 1:
         adv = adv.reshape(-1, 1)
         ok = finite(adv)
-        return adv.nan_to_num(0.0, 0.0, 0.0), kept.logical_and_(ok), lambda: count(~ok)
+        return adv.nan_to_num(0.0, 0.0, 0.0), and_(kept, ok), lambda: count(~ok)
     ok = finite(adv)
     bad = kept & ~ok
-    return adv.nan_to_num(0.0, 0.0, 0.0), kept.logical_and_(ok), lambda: count(row_any(bad))
+    return adv.nan_to_num(0.0, 0.0, 0.0), and_(kept, ok), lambda: count(row_any(bad))
 
 
 def sparse_grpo(
@@ -240,10 +241,10 @@ def sparse_grpo(
     with torch.no_grad():
         # the learner side: logp - old_logp must be finite (covers old_logp without a record)
         raw = logp.detach().float() - old_logp.detach().float()
-        kept = finite(raw).logical_and_(base)
+        kept = finite_in(raw, base)
         use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
         if use_ref:
-            kept &= finite(ref_logp.detach())
+            kept = finite_in(ref_logp, kept)
         adv, kept, bad_adv = _advantages(advantages, kept)
         # in place on our own copy: clean, zero outside the loss (multiplies, not torch.where)
         lr = zero_outside_(raw.nan_to_num_(0.0, 0.0, 0.0), kept)

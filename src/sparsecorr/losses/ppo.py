@@ -100,7 +100,10 @@ class _PPOClip(torch.autograd.Function):
             lr_sum = log_ratio.sum()
             # in place on the caller's scratch copy: rho - 1, exactly 0 off the loss
             em1 = log_ratio.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expm1_()
-            clipped = torch.clamp(em1, lo_m1, hi_m1)
+            # clamp(em1, lo, hi) with per-row bounds, as max then min: the broadcasting
+            # tensor-bound clamp is 4x slower on the CPU
+            clipped = torch.maximum(em1, lo_m1)
+            torch.minimum(clipped, hi_m1, out=clipped)
             # 1 where the clamp moved rho (no gradient), 0 where it did not: float arithmetic,
             # not a bool comparison (those take torch's slow CPU path)
             moved = torch.sub(em1, clipped).sign_().abs_()

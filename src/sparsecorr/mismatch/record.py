@@ -37,7 +37,7 @@ from .._checks import (
     check_mask,
     check_same_shape,
     count,
-    finite,
+    finite_in,
 )
 from .._masks import row_any, zero_outside_
 
@@ -67,7 +67,8 @@ class Mismatch:
         logp: optional detached learner log-probs, context for OPSM (drift to the current
             policy); set by ``sparse_grpo`` or ``with_context``.
 
-    Cached on first use (no host synchronisation): ``tokens`` (valid count), ``input_tokens``,
+    Cached on first use (no host synchronisation): ``ratio_m1`` (\(e^{\ell_t} - 1\), read by
+    the IS weights and the k3 metric alike), ``tokens`` (valid count), ``input_tokens``,
     ``nonfinite`` (masked-in tokens dropped as non-finite), ``valid_rows``/``input_rows``
     (``[B]`` bool: rows with a valid / masked-in token).
 
@@ -94,6 +95,14 @@ class Mismatch:
         if key not in self.cache:
             self.cache[key] = compute()
         return self.cache[key]
+
+    @property
+    def ratio_m1(self) -> torch.Tensor:
+        r"""float32 \(\rho_t - 1 = \mathrm{expm1}(\ell_t)\), exactly 0 where ``valid`` is False;
+        computed once and shared by the corrections' weights (\(\rho_t\) = this + 1) and the
+        \(k_3\) metric (``expm1`` keeps a small \(\ell_t\) exact, where \(e^{\ell} - 1\) would
+        cancel)."""
+        return self._cached("ratio_m1", lambda: torch.expm1(self.log_ratio))
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -181,7 +190,7 @@ def measure(
             check_same_shape(old_logp=old_logp, logp=logp)
     with torch.no_grad():
         raw = old_logp.detach().float() - rollout_logp.detach().float()
-        valid = finite(raw).logical_and_(mask)
+        valid = finite_in(raw, mask)
         # in place: clean, clamp, zero outside the valid tokens (a multiply, not torch.where)
         lr = zero_outside_(raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), valid)
     return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,

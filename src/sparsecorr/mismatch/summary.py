@@ -140,7 +140,7 @@ def add_mismatch_metrics(plan: MetricPlan, mm: Mismatch, *, full: bool = False) 
     """Register the record's moment metrics (module table) on ``plan``: four reductions for the
     default level, four more for ``full``."""
     lr = mm.log_ratio
-    e = torch.expm1(lr)  # 0 outside the valid tokens
+    e = mm.ratio_m1  # 0 outside the valid tokens; shared with the corrections' weights
     n, n_in = plan.add(mm.tokens), plan.add(mm.input_tokens)
     s_lr, s_e = plan.add(lr.sum()), plan.add(e.sum())
     plan.ratio("mismatch/tokens", {n: 1.0})
