@@ -123,7 +123,10 @@ def _nonfinite(x: torch.Tensor) -> torch.Tensor:
 
 
 def finite(x: torch.Tensor) -> torch.Tensor:
-    """bool ``isfinite(x)``: False at NaN and ±inf."""
+    """bool ``isfinite(x)``: False at NaN and ±inf. Below 4096 entries ``x * 0 == 0`` (two
+    kernels; the comparison's slow path costs nothing there; ``torch.isfinite`` is four)."""
+    if x.numel() <= 4096:
+        return torch.eq(torch.mul(x.detach(), 0), 0)
     return _nonfinite(x).logical_not_()
 
 

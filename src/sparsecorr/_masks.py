@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["and_", "and_rows", "as_float", "row_any", "zero_outside_"]
+__all__ = ["and_", "and_rows", "as_float", "count_rows", "finite_in_scratch", "row_any", "zero_outside_"]
 
 
 def _u8(mask: torch.Tensor) -> torch.Tensor:
@@ -21,7 +21,9 @@ def _u8(mask: torch.Tensor) -> torch.Tensor:
 
 def zero_outside_(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``x`` with every entry outside ``mask`` set to 0, in place. ``x`` must be finite (NaN
-    times 0 is NaN: clean it with ``nan_to_num_`` first). Same as ``torch.where(mask, x, 0)``."""
+    times 0 is NaN: clean it with ``nan_to_num_`` first). Same as ``torch.where(mask, x, 0)``.
+    The multiply converts the mask to ``x``'s dtype in a temporary: on a hot path, multiply by
+    a float mask kept in a buffer instead (``finite_in_scratch``)."""
     return x.mul_(_u8(mask))
 
 
@@ -47,4 +49,21 @@ def and_(mask: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 def and_rows(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``mask & rows[:, None]`` (``mask`` ``[B, T]``, ``rows`` ``[B]`` bool), a new tensor."""
-    return torch.mul(_u8(mask), _u8(rows)[:, None]).view(torch.bool)
+    return torch.mul(_u8(mask), _u8(rows).reshape(-1, 1)).view(torch.bool)
+
+
+def count_rows(mask: torch.Tensor) -> torch.Tensor:
+    """0-d int64: rows of a ``[B, T]`` mask with a True entry (``mask.any(-1).sum()``)."""
+    if mask.shape[-1] == 0:
+        return torch.zeros((), dtype=torch.int64, device=mask.device)
+    return torch.count_nonzero(_u8(mask).amax(dim=-1))
+
+
+def finite_in_scratch(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``mask & isfinite(x)`` and the float32 scratch buffer the test used (``x * 0``, any
+    content), for the caller to reuse, e.g. ``scratch.copy_(mask)``: a float mask to multiply by
+    without a new ``[B, T]`` buffer. On the CPU a fresh buffer's first write costs more than
+    the arithmetic (page faults), and a bool or uint8 mask in a float multiply is converted in a
+    hidden temporary; see ``_checks.finite_in`` for the test itself."""
+    scratch = torch.mul(x.detach().float(), 0)
+    return torch.gt(mask, scratch.bool()), scratch

@@ -131,7 +131,7 @@ class Correction:
         for name, value in self.piece_metrics.items():
             if isinstance(value, Count):
                 if value.per_token and tokens is None:
-                    tokens = plan.add(self.source.tokens if self.source is not None else self.tokens)
+                    tokens = plan.add(self.source.valid_count if self.source is not None else self.tokens)
                 plan.ratio(name, {plan.add(value.count()): value.coef},
                            tokens if value.per_token else None, offset=value.offset)
             else:
@@ -166,14 +166,15 @@ def standard_metrics(c: Correction, plan: MetricPlan, *, full: bool = False) -> 
         s1 = c.cache["weight_sum"] if "weight_sum" in c.cache else flat.sum()
         s2 = torch.dot(flat, flat)
     k_kept = plan.add(kept)
-    k_in = plan.add(count(c.mask) if src is None else src.input_tokens)
+    k_in = plan.add(count(c.mask) if src is None else src.input_count)
     k_w = plan.add(s1 if c.scale is None else s1 * c.scale.detach().reshape(()))
     k_ess_num, k_ess_den = plan.add(s1.square()), plan.add(kept * s2)
     plan.ratio("correction/kept_token_frac", {k_kept: 1.0}, k_in)
     plan.ratio("correction/weight_mean", {k_w: 1.0}, k_kept)
     # normalised ESS (sum w)^2 / (n sum w^2), 0 when nothing is kept
     plan.ratio("correction/ess", {k_ess_num: 1.0}, k_ess_den)
-    plan.ratio("correction/nonfinite_count", {plan.add(src.nonfinite): 1.0} if src is not None else {})
+    plan.ratio("correction/nonfinite_count", {k_in: 1.0, plan.add(src.valid_count): -1.0}
+               if src is not None else {})
     if full:
         rows_in = row_any(c.mask) if src is None else src.input_rows
         plan.ratio("correction/kept_seq_frac", {plan.add(count(c.sequence_mask & rows_in)): 1.0},

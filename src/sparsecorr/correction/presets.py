@@ -51,14 +51,10 @@ def row_log_ratio(mm: Mismatch, reduce: str) -> torch.Tensor:
 
 
 def _count_above(lr: torch.Tensor, valid: torch.Tensor, t: float) -> torch.Tensor:
-    """0-d float32: valid tokens with log-ratio above ``t``. ``relu(lr - t)`` is nonzero exactly
-    there (a float difference is 0 only between equal numbers), and ``count_nonzero`` reads it
-    directly: three fast kernels instead of the slow ``lr > t`` bool comparison. Padding holds
-    0, which is above ``t`` only when ``t < 0`` (then masked)."""
-    above = torch.sub(lr, t).relu_()
-    if t < 0:
-        zero_outside_(above, valid)
-    return count(above)
+    """0-d int64: valid tokens with log-ratio above ``t`` (padding holds 0, which is above ``t``
+    only when ``t < 0``: then masked). A bool comparison: a quarter of a float buffer."""
+    above = lr > t
+    return torch.count_nonzero(above if t >= 0 else above.logical_and_(valid))
 
 
 def _out_of_band(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
@@ -78,7 +74,7 @@ class TIS:
     def __call__(self, mm: Mismatch) -> Correction:
         lo, hi = _log(self.floor, None), _log(self.cap, None)
         lr, valid = mm.log_ratio, mm.valid
-        w = zero_outside_(mm.ratio_m1.add(1.0).clamp_(min=self.floor, max=self.cap), valid)
+        w = mm.ratio_m1.add(1.0).clamp_(min=self.floor, max=self.cap).mul_(mm.valid_f)
         outside = (lambda: valid & _out_of_band(lr, lo, hi)) if (lo, hi) != (None, None) else None
         metrics = {"correction/truncated_frac": Count(lambda: count(outside()), per_token=True)
                    if outside else torch.zeros(())}
@@ -135,22 +131,26 @@ class Veto:
     threshold: float = 1e-4
 
     def __call__(self, mm: Mismatch) -> Correction:
-        bad = _veto_rows(mm, self.threshold)
-        keep = and_rows(mm.valid, ~bad)
+        ok = _unvetoed_rows(mm, self.threshold)
+        keep = and_rows(mm.valid, ok)
         # a vetoed row has a valid token below the threshold: it is never an empty row
-        return Correction(mask=keep, piece_metrics={"correction/vetoed_seqs": Count(lambda: count(bad))},
-                          source=mm)
+        return Correction(mask=keep, piece_metrics={"correction/vetoed_seqs": _vetoed(ok)}, source=mm)
 
 
-def _veto_rows(mm: Mismatch, threshold: float) -> torch.Tensor:
-    """``[B]`` bool: rows with a valid token of ratio below ``threshold``."""
+def _unvetoed_rows(mm: Mismatch, threshold: float) -> torch.Tensor:
+    """``[B]`` bool: rows without a valid token of ratio below ``threshold``."""
     t = math.log(threshold)
     if t < 0 and mm.shape[-1] > 0:  # padding holds 0 > t: the row minimum decides (one reduction)
-        return mm.log_ratio.amin(dim=-1) < t
+        return mm.log_ratio.amin(dim=-1) >= t
     below = mm.log_ratio < t
     if t >= 0:  # padding holds log-ratio 0, which would count as "below"
         below &= mm.valid
-    return row_any(below)
+    return row_any(below).logical_not_()
+
+
+def _vetoed(ok: torch.Tensor) -> Count:
+    """The number of vetoed rows, ``B`` minus the rows kept (one count, no negation)."""
+    return Count(lambda: torch.count_nonzero(ok), coef=-1.0, offset=float(ok.shape[0]))
 
 
 @dataclass(frozen=True)
@@ -265,20 +265,23 @@ class SparseRL:
     def __call__(self, mm: Mismatch) -> Correction:
         lr, valid = mm.log_ratio, mm.valid
         lo, hi, cap = _log(self.low, None), _log(self.high, None), _log(self.cap, None)
-        in_band = torch.gt(valid, _out_of_band(lr, lo, hi))
-        bad = _veto_rows(mm, self.veto_threshold)
-        keep = and_rows(in_band, ~bad)
-        # TIS's weight, rho = expm1 + 1 from the record (shared with the k3 metric), capped
-        w = mm.ratio_m1.add(1.0)
+        # the band test in a buffer that then holds the weights (one fresh [B, T] float)
+        buf = torch.clamp(lr, lo, hi).sub_(lr)  # nonzero exactly out of the band
+        in_band = torch.gt(valid, buf.bool())
+        ok = _unvetoed_rows(mm, self.veto_threshold)
+        keep = and_rows(in_band, ok)
+        # TIS's weight on kept tokens, keep * (1 + (rho - 1)): rho - 1 from the record (shared
+        # with the k3 metric), the float mask in the buffer (no hidden mask conversion), capped
+        keep_f = buf.copy_(keep)
+        w = torch.addcmul(keep_f, keep_f, mm.ratio_m1, out=keep_f)
         if cap is not None:
-            w.clamp_(min=0.0, max=self.cap)
-        zero_outside_(w, keep)
+            w.clamp_(max=self.cap)
         metrics = {
             "correction/truncated_frac": Count(lambda: _count_above(lr, valid, cap), per_token=True)
             if cap is not None else torch.zeros(()),
-            "correction/band_rejected_frac": Count(lambda: count(in_band), per_token=True, coef=-1.0,
-                                                   offset=1.0),
-            "correction/vetoed_seqs": Count(lambda: count(bad)),
+            "correction/band_rejected_frac": Count(lambda: torch.count_nonzero(in_band), per_token=True,
+                                                   coef=-1.0, offset=1.0),
+            "correction/vetoed_seqs": _vetoed(ok),
         }
         return _normalize(Correction(mask=keep, token_weights=w, piece_metrics=metrics, source=mm),
                           self.group)

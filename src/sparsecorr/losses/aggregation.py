@@ -87,11 +87,12 @@ class Aggregation:
         check_number("norm_length", self.norm_length, low=0, low_open=True, allow_none=True)
 
     def row_scales(self, mask: torch.Tensor, *, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        r"""``[B]`` row scales \(r_i\) (``row_scales`` with this mode and normalisers);
-        ``tokens``: the mask's count when already known (saves a pass)."""
+        r"""Row scales \(r_i\) (``row_scales`` with this mode and normalisers): ``[B]``, or
+        ``[1]`` when ``tokens`` (the mask's count, saves a pass) gives every row the same
+        scale (sum rows with [`scaled_sum`][sparsecorr.losses.aggregation.scaled_sum])."""
         if self.mode == "token-mean" and self.num_tokens is None and tokens is not None:
             # a count: 0 means every row is empty, when any finite scale gives the same loss
-            return tokens.clamp(min=1.0).reciprocal().expand(mask.shape[0])
+            return tokens.clamp(min=1.0).reciprocal().reshape(1)
         return row_scales(mask, mode=self.mode, num_tokens=self.num_tokens,
                           num_sequences=self.num_sequences, norm_length=self.norm_length)
 
@@ -101,6 +102,13 @@ class Aggregation:
         bad = [((v < 0) | ~(v.abs() < math.inf)).reshape(()) for v in (self.num_tokens, self.num_sequences)
                if isinstance(v, torch.Tensor)]
         return None if not bad else torch.stack(bad).any().float()
+
+
+def scaled_sum(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    r"""0-d \(\sum_i r_i \sum_t x_{i,t}\) for ``[B]`` or ``[1]`` row scales ``r``."""
+    if scales.numel() == 1:
+        return (x.sum() * scales).reshape(())
+    return (x.sum(dim=1) * scales).sum()
 
 
 def row_scales(

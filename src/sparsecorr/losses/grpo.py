@@ -39,7 +39,7 @@ from .._checks import (
     finite,
     finite_in,
 )
-from .._masks import and_, as_float, row_any, zero_outside_
+from .._masks import and_, count_rows, finite_in_scratch, row_any
 from ..correction import Correction
 from ..mismatch import (
     LOG_RATIO_CLAMP,
@@ -51,7 +51,7 @@ from ..mismatch import (
     mismatch_quantiles,
 )
 from ..mismatch.summary import DEFAULT_QUANTILES
-from .aggregation import Aggregation
+from .aggregation import Aggregation, scaled_sum
 from .output import LossOutput
 from .ppo import SurrogateInputs
 from .surrogate import SURROGATES
@@ -144,15 +144,18 @@ def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction
 
 def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
     """Float32 advantages (``[B, 1]`` or ``[B, T]``), 0 where non-finite; kept minus those
-    rows / tokens; a function counting the rows with a non-finite advantage."""
+    rows / tokens; a function giving ``(count, coef, offset)`` of the rows with a non-finite
+    advantage (``offset + coef * count``)."""
     adv = advantages.detach().float()
     if adv.dim() == 1 or adv.shape[1] == 1:
         adv = adv.reshape(-1, 1)
         ok = finite(adv)
-        return adv.nan_to_num(0.0, 0.0, 0.0), and_(kept, ok), lambda: count(~ok)
+        return (adv.nan_to_num(0.0, 0.0, 0.0), and_(kept, ok),
+                lambda: (torch.count_nonzero(ok), -1.0, float(ok.shape[0])))  # B - finite rows
     ok = finite(adv)
     bad = kept & ~ok
-    return adv.nan_to_num(0.0, 0.0, 0.0), and_(kept, ok), lambda: count(row_any(bad))
+    return (adv.nan_to_num(0.0, 0.0, 0.0), and_(kept, ok),
+            lambda: (torch.count_nonzero(row_any(bad)), 1.0, 0.0))
 
 
 def sparse_grpo(
@@ -241,21 +244,25 @@ def sparse_grpo(
     with torch.no_grad():
         # the learner side: logp - old_logp must be finite (covers old_logp without a record)
         raw = logp.detach().float() - old_logp.detach().float()
-        kept = finite_in(raw, base)
+        kept, scratch = finite_in_scratch(raw, base)
         use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
         if use_ref:
             kept = finite_in(ref_logp, kept)
         adv, kept, bad_adv = _advantages(advantages, kept)
-        # in place on our own copy: clean, zero outside the loss (multiplies, not torch.where)
-        lr = zero_outside_(raw.nan_to_num_(0.0, 0.0, 0.0), kept)
-        n = count(kept)
+        # in place on our own copy: clean, zero outside the loss (multiplies by a float mask in
+        # the test's buffer, which then holds -w A: no fresh [B, T] buffer, no torch.where)
+        kept_f = scratch.copy_(kept)
+        lr = raw.nan_to_num_(0.0, 0.0, 0.0).mul_(kept_f)
+        n = torch.count_nonzero(kept)  # int64 (promoted where it meets a float)
         neg_adv = adv.neg() if corr is None or corr.scale is None else adv * -corr.scale.reshape(())
         w = None if corr is None else corr.token_weights
-        neg_wa = as_float(kept) * neg_adv if w is None else zero_outside_(w * neg_adv, kept)
+        neg_wa = kept_f.mul_(neg_adv)
+        if w is not None:
+            neg_wa.mul_(w)
     scales = agg.row_scales(kept, tokens=n)
     out = sur(SurrogateInputs(logp=logp, old_logp=old_logp.detach().float(), log_ratio=lr,
                               kept=kept, advantages=adv, neg_weighted_adv=neg_wa, scales=scales, n=n,
-                              metrics=metrics != "none"))
+                              metrics=metrics != "none", full_metrics=metrics == "full"))
     token_loss, loss = out.token_loss, out.loss
     pg_loss = loss.detach()
     k3 = None
@@ -271,7 +278,7 @@ def sparse_grpo(
                     ratio = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
                 term = k3 * ratio
             token_loss = token_loss + pen.coef * term
-            loss = loss + pen.coef * (term.sum(dim=1) * scales).sum()
+            loss = loss + pen.coef * scaled_sum(term, scales)
     if metrics == "none":
         return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=kept)
     with torch.no_grad():
@@ -309,9 +316,10 @@ def _metrics(out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
         plan.ratio(name, num, k_n)
     n_base = corr.tokens if corr is not None and base is corr.mask else count(base)
     plan.ratio("loss/tokens", {k_n: 1.0})
-    plan.ratio("loss/sequences", {plan.add(count(row_any(kept))): 1.0})
+    plan.ratio("loss/sequences", {plan.add(count_rows(kept)): 1.0})
     plan.ratio("loss/nonfinite_tokens", {plan.add(n_base): 1.0, k_n: -1.0})
-    plan.ratio("loss/nonfinite_advantage_seqs", {plan.add(bad_adv()): 1.0})
+    bad, coef, offset = bad_adv()
+    plan.ratio("loss/nonfinite_advantage_seqs", {plan.add(bad): coef}, offset=offset)
     if full:
         for name, value in out.extra().items():
             plan.value(name, value)
@@ -319,7 +327,7 @@ def _metrics(out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
     if fallback is not None:
         plan.value("loss/normalizer_fallback", fallback)
     if mm is not None:
-        plan.ratio("loss/nonfinite_rollout", {plan.add(mm.input_tokens): 1.0, plan.add(mm.tokens): -1.0})
+        plan.ratio("loss/nonfinite_rollout", {plan.add(mm.input_count): 1.0, plan.add(mm.valid_count): -1.0})
         add_mismatch_metrics(plan, mm, full=full)
     if corr is not None:
         corr.add_metrics(plan, full=full)

@@ -33,8 +33,8 @@ from functools import lru_cache
 
 import torch
 
-from .._masks import as_float
 from ..mismatch import LOG_RATIO_CLAMP
+from .aggregation import scaled_sum
 
 __all__ = ["SurrogateInputs", "SurrogateOutput", "ppo_clip_forward"]
 
@@ -53,10 +53,12 @@ class SurrogateInputs:
         kept: bool, the tokens in the loss.
         advantages: float32 ``[B, 1]`` or ``[B, T]``.
         neg_weighted_adv: float32 ``[B, T]`` \(-w_t A\), 0 where not kept.
-        scales: ``[B]`` row scales of the aggregation.
+        scales: ``[B]`` (or ``[1]``, one for every row) row scales of the aggregation.
         n: 0-d number of kept tokens.
         metrics: whether the caller will read the metrics (``PPOClip`` counts its clipped tokens
             during the forward pass only then).
+        full_metrics: whether it will read the full set (``PPOClip`` then keeps \(\rho - 1\)
+            for the ratio extremes instead of reusing its buffer).
     """
 
     logp: torch.Tensor
@@ -68,6 +70,7 @@ class SurrogateInputs:
     scales: torch.Tensor
     n: torch.Tensor
     metrics: bool = True
+    full_metrics: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,34 +98,47 @@ class SurrogateOutput:
 
 class _PPOClip(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, log_ratio, neg_wa, lo_m1, hi_m1, scales, neg_rows, dual):
+    def forward(ctx, logp, log_ratio, neg_wa, lo_m1, hi_m1, scales, level, neg_rows):
         with torch.no_grad():
-            lr_sum = log_ratio.sum()
+            sums = {}
+            if level:
+                sums["lr"] = log_ratio.sum()
             # in place on the caller's scratch copy: rho - 1, exactly 0 off the loss
             em1 = log_ratio.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expm1_()
+            if level:
+                sums["em1"] = em1.sum()
             # clamp(em1, lo, hi) with per-row bounds, as max then min: the broadcasting
             # tensor-bound clamp is 4x slower on the CPU
             clipped = torch.maximum(em1, lo_m1)
             torch.minimum(clipped, hi_m1, out=clipped)
-            # 1 where the clamp moved rho (no gradient), 0 where it did not: float arithmetic,
-            # not a bool comparison (those take torch's slow CPU path)
-            moved = torch.sub(em1, clipped).sign_().abs_()
-            stats = _clip_counts(moved, em1, neg_rows, dual) if neg_rows is not None else lr_sum
-            token_loss = clipped.add_(1.0).mul_(neg_wa)  # (1 + clipped) * (-w A), in place
-            loss = (token_loss.sum(dim=1) * scales).sum()
-            grad = moved.neg_().add_(1.0).mul_(token_loss)  # token_loss where unclipped, in place
+            # the clamp's move, in the scratch buffer (kept apart only for the full metrics,
+            # which read rho): its sign is -1 below the range, +1 above, 0 where rho is unclipped
+            side = torch.sub(em1, clipped, out=None if level == 2 else em1).sign_()
+            if level:
+                sums["side"] = side.sum()  # clipped above - clipped below
+                if neg_rows is not None:  # dual-clipped: above the range on an A < 0 token
+                    sums["dual"] = torch.mul(side.clamp(min=0.0), neg_rows).sum()
+            moved = side.abs_()  # 1 where the clamp moved rho (no gradient), else 0
+            if level:
+                sums["moved"] = moved.sum()
+            token_loss = torch.addcmul(neg_wa, clipped, neg_wa, out=clipped)  # (1 + clipped)(-w A)
+            loss = scaled_sum(token_loss, scales)
+            # token_loss where unclipped, (1 - moved) * token_loss, in the scratch buffer again
+            grad = torch.addcmul(token_loss, moved, token_loss, value=-1.0, out=moved)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(grad, scales)
         ctx.logp_dtype = logp.dtype
-        ctx.mark_non_differentiable(em1, lr_sum, stats)
-        return token_loss, loss, em1, lr_sum, stats
+        ratio = em1 if level == 2 else None
+        if ratio is not None:
+            ctx.mark_non_differentiable(ratio)
+        return token_loss, loss, ratio, sums
 
     @staticmethod
     def backward(ctx, g_token_loss, g_loss, *_):
         grad, scales = ctx.saved_tensors
         coef = None
         if g_loss is not None:
-            coef = scales[:, None] * g_loss
+            coef = scales.reshape(-1, 1) * g_loss
         if g_token_loss is not None:
             coef = g_token_loss if coef is None else coef + g_token_loss
         if coef is None:
@@ -130,48 +146,45 @@ class _PPOClip(torch.autograd.Function):
         return (coef * grad).to(ctx.logp_dtype), None, None, None, None, None, None, None
 
 
-def _clip_counts(moved: torch.Tensor, em1: torch.Tensor, neg: torch.Tensor, dual: bool) -> torch.Tensor:
-    """``[all, negative-advantage, dual]`` clipped-token counts (``neg``: float 1 where A < 0,
-    ``[B, 1]`` or ``[B, T]``)."""
-    if neg.shape[1] == 1:
-        rows = moved.sum(dim=1)
-        c_all, c_neg = rows.sum(), torch.dot(rows, neg.reshape(-1))
-    else:
-        c_all, c_neg = moved.sum(), torch.dot(moved.reshape(-1), neg.reshape(-1))
-    c_dual = (moved * neg * as_float(em1 > 0)).sum() if dual else c_all.new_zeros(())
-    return torch.stack([c_all, c_neg, c_dual])
-
-
 @lru_cache(maxsize=64)
-def _constant(value: float, device: torch.device) -> torch.Tensor:
-    """A cached 0-d float32 tensor (no tensor creation per call)."""
-    return torch.tensor(value, dtype=torch.float32, device=device)
+def _tables(clip_low: float, clip_high: float, big: float, device: torch.device):
+    """``[2, 1]`` columns ``lo - 1``, ``hi - 1`` for A >= 0 and for A < 0."""
+    pos = torch.tensor([[-1.0], [clip_high]], device=device)
+    neg = torch.tensor([[-clip_low], [big]], device=device)
+    return pos, neg
 
 
 def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
                      dual_clip: float | None) -> SurrogateOutput:
     """Token-level weighted clipped surrogate, its aggregate and lazy metrics (``PPOClip``)."""
-    pos = x.advantages >= 0
-    dev = pos.device
-    lo = torch.where(pos, _constant(-1.0, dev), _constant(-clip_low, dev))
+    adv = x.advantages
     big = _HUGE_M1 if dual_clip is None else dual_clip - 1.0
-    hi = torch.where(pos, _constant(clip_high, dev), _constant(big, dev))
-    neg = as_float(~pos) if x.metrics else None
-    token_loss, loss, em1, lr_sum, stats = _PPOClip.apply(
-        x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi, x.scales, neg, dual_clip is not None)
-    return SurrogateOutput(token_loss, loss, sums=lambda: _ppo_sums(x.n, em1, lr_sum, stats, dual_clip),
-                           extra=lambda: ratio_extremes(em1, x.kept, x.n))
+    t_pos, t_neg = _tables(clip_low, clip_high, big, adv.device)
+    if adv.shape[1] == 1:  # per row: one [2, B] table gives both bounds
+        lo, hi = torch.where(adv.reshape(1, -1) >= 0, t_pos, t_neg).unbind(0)
+        lo, hi = lo.reshape(-1, 1), hi.reshape(-1, 1)
+    else:
+        pos = adv >= 0
+        lo, hi = torch.where(pos, t_pos[0], t_neg[0]), torch.where(pos, t_pos[1], t_neg[1])
+    level = 0 if not x.metrics else (2 if x.full_metrics else 1)
+    neg_rows = (adv < 0).float() if level and dual_clip is not None else None
+    token_loss, loss, em1, sums = _PPOClip.apply(
+        x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi, x.scales, level, neg_rows)
+    return SurrogateOutput(token_loss, loss, sums=lambda: _ppo_sums(sums, dual_clip),
+                           extra=lambda: ratio_extremes(em1, x.kept, x.n) if em1 is not None else {})
 
 
-def _ppo_sums(n, em1: torch.Tensor, lr_sum: torch.Tensor, stats: torch.Tensor, dual_clip) -> dict:
-    """Kept-token sums of the PPO metrics: clipped tokens by side, the ratio, ``-log ratio``."""
-    c_all, c_neg, c_dual = stats.unbind()
-    out = {"loss/clip_frac_high": ((c_all, 1.0), (c_neg, -1.0)), "loss/clip_frac_low": c_neg,
-           "loss/ratio_mean": (("n", 1.0), (em1.sum(), 1.0)),
-           "loss/ppo_kl_k1_mean": ((lr_sum, -1.0),)}
+def _ppo_sums(s: dict, dual_clip) -> dict:
+    r"""Kept-token sums of the PPO metrics: clipped tokens by side, the ratio, ``-log ratio``.
+    Below the range = ``(moved - side) / 2``, above = ``(moved + side) / 2`` (above includes the
+    dual-clipped tokens and a ratio pinned at \(e^{20}\))."""
+    high = ((s["moved"], 0.5), (s["side"], 0.5))
+    out = {"loss/clip_frac_high": high, "loss/clip_frac_low": ((s["moved"], 0.5), (s["side"], -0.5)),
+           "loss/ratio_mean": (("n", 1.0), (s["em1"], 1.0)),
+           "loss/ppo_kl_k1_mean": ((s["lr"], -1.0),)}
     if dual_clip is not None:
-        out["loss/clip_frac_low"] = ((c_neg, 1.0), (c_dual, -1.0))
-        out["loss/clip_frac_dual"] = c_dual
+        out["loss/clip_frac_high"] = (*high, (s["dual"], -1.0))
+        out["loss/clip_frac_dual"] = s["dual"]
     return out
 
 

@@ -25,6 +25,7 @@ import torch
 
 from .._checks import check_number, count
 from ..mismatch import LOG_RATIO_CLAMP
+from .aggregation import scaled_sum
 from .ppo import SurrogateInputs, SurrogateOutput, ppo_clip_forward
 
 __all__ = ["CISPO", "GSPO", "SAPO", "SURROGATES", "PPOClip", "SurrogateInputs", "SurrogateOutput"]
@@ -88,7 +89,7 @@ class GSPO(_Clip):
         hi = torch.where(pos, 1.0 + self.clip_high, big)
         clipped = torch.clamp(ratio, lo, hi)
         token_loss = torch.where(kept, x.neg_weighted_adv * clipped, 0.0)
-        loss = (token_loss.sum(dim=1) * x.scales).sum()
+        loss = scaled_sum(token_loss, x.scales)
         r, unclipped = ratio.detach(), (clipped.detach() == ratio.detach())
         return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r.expand_as(kept), unclipped.expand_as(kept)),
                                kl_ratio=ratio)
@@ -108,7 +109,7 @@ class CISPO:
         r = x.log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
         coef = torch.clamp(r, max=self.cap) * x.neg_weighted_adv  # detached
         token_loss = torch.where(x.kept, coef * x.logp.float(), 0.0)
-        loss = (token_loss.sum(dim=1) * x.scales).sum()
+        loss = scaled_sum(token_loss, x.scales)
         return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r, (r <= self.cap) | ~x.kept))
 
 
@@ -131,7 +132,7 @@ class SAPO:
         tau = torch.where(x.advantages > 0, self.temperature_pos, self.temperature_neg)
         gate = torch.sigmoid(tau * (rho - 1.0)) * (4.0 / tau)
         token_loss = torch.where(x.kept, x.neg_weighted_adv * gate, 0.0)
-        loss = (token_loss.sum(dim=1) * x.scales).sum()
+        loss = scaled_sum(token_loss, x.scales)
         r = rho.detach()
         return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r, None))
 

@@ -36,10 +36,8 @@ from .._checks import (
     check_float_tensor,
     check_mask,
     check_same_shape,
-    count,
-    finite_in,
 )
-from .._masks import row_any, zero_outside_
+from .._masks import finite_in_scratch, row_any
 
 __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
 
@@ -68,7 +66,8 @@ class Mismatch:
             policy); set by ``sparse_grpo`` or ``with_context``.
 
     Cached on first use (no host synchronisation): ``ratio_m1`` (\(e^{\ell_t} - 1\), read by
-    the IS weights and the k3 metric alike), ``tokens`` (valid count), ``input_tokens``,
+    the IS weights and the k3 metric alike), ``tokens`` (valid count; ``valid_count`` as int64),
+    ``input_tokens`` (``input_count``),
     ``nonfinite`` (masked-in tokens dropped as non-finite), ``valid_rows``/``input_rows``
     (``[B]`` bool: rows with a valid / masked-in token).
 
@@ -105,14 +104,29 @@ class Mismatch:
         return self._cached("ratio_m1", lambda: torch.expm1(self.log_ratio))
 
     @property
+    def valid_f(self) -> torch.Tensor:
+        """float32 ``valid`` (1/0), to multiply by (``measure`` leaves it: no extra pass)."""
+        return self._cached("valid_f", lambda: self.valid.float())
+
+    @property
+    def valid_count(self) -> torch.Tensor:
+        """0-d int64: number of valid tokens (what the metric plan reads: no conversion)."""
+        return self._cached("valid_count", lambda: torch.count_nonzero(self.valid))
+
+    @property
+    def input_count(self) -> torch.Tensor:
+        """0-d int64: number of masked-in tokens."""
+        return self._cached("input_count", lambda: torch.count_nonzero(self.mask))
+
+    @property
     def tokens(self) -> torch.Tensor:
         """0-d float32: number of valid tokens."""
-        return self._cached("tokens", lambda: count(self.valid))
+        return self._cached("tokens", lambda: self.valid_count.float())
 
     @property
     def input_tokens(self) -> torch.Tensor:
         """0-d float32: number of masked-in tokens."""
-        return self._cached("input_tokens", lambda: count(self.mask))
+        return self._cached("input_tokens", lambda: self.input_count.float())
 
     @property
     def nonfinite(self) -> torch.Tensor:
@@ -190,10 +204,11 @@ def measure(
             check_same_shape(old_logp=old_logp, logp=logp)
     with torch.no_grad():
         raw = old_logp.detach().float() - rollout_logp.detach().float()
-        valid = finite_in(raw, mask)
+        valid, scratch = finite_in_scratch(raw, mask)
+        valid_f = scratch.copy_(valid)
         # in place: clean, clamp, zero outside the valid tokens (a multiply, not torch.where)
-        lr = zero_outside_(raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), valid)
+        lr = raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).mul_(valid_f)
     return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
                     acceptance=acceptance, advantages=advantages,
-                    logp=None if logp is None else logp.detach())
+                    logp=None if logp is None else logp.detach(), cache={"valid_f": valid_f})
 
