@@ -268,6 +268,12 @@ class SparseRL:
         # the band test in a buffer that then holds the weights (one fresh [B, T] float)
         buf = torch.clamp(lr, lo, hi).sub_(lr)  # nonzero exactly out of the band
         in_band = torch.gt(valid, buf.bool())
+        truncated = None
+        if cap is not None and self.cap == self.high and hi >= 0:
+            # cap = high (Sparse-RL): a token the cap truncates is one above the band, where the
+            # buffer is < 0 (padding, 0, is inside): counted now, before the buffer is reused
+            above = torch.count_nonzero(buf.clamp_(max=0.0))
+            truncated = Count(lambda: above, per_token=True)
         ok = _unvetoed_rows(mm, self.veto_threshold)
         keep = and_rows(in_band, ok)
         # TIS's weight on kept tokens, keep * (1 + (rho - 1)): rho - 1 from the record (shared
@@ -277,8 +283,9 @@ class SparseRL:
         if cap is not None:
             w.clamp_(max=self.cap)
         metrics = {
-            "correction/truncated_frac": Count(lambda: _count_above(lr, valid, cap), per_token=True)
-            if cap is not None else torch.zeros(()),
+            "correction/truncated_frac": truncated or (
+                Count(lambda: _count_above(lr, valid, cap), per_token=True) if cap is not None
+                else torch.zeros(())),
             "correction/band_rejected_frac": Count(lambda: torch.count_nonzero(in_band), per_token=True,
                                                    coef=-1.0, offset=1.0),
             "correction/vetoed_seqs": _vetoed(ok),

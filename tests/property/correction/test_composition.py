@@ -77,7 +77,8 @@ def test_fused_sparse_rl_equals_its_composition_bit_for_bit(batch, cap, band, th
     generic = batch_normalized(chain(tis(cap=cap), icepop(low, high), veto(threshold)))(mm)
     assert torch.equal(fused.mask, generic.mask)
     assert torch.equal(fused.weights, generic.weights)
-    for name in ("correction/band_rejected_frac", "correction/vetoed_seqs", "correction/ess",
+    for name in ("correction/truncated_frac", "correction/band_rejected_frac", "correction/vetoed_seqs",
+                 "correction/ess",
                  "correction/weight_mean", "correction/kept_token_frac"):
         torch.testing.assert_close(fused.metrics[name], generic.metrics[name], equal_nan=True)
 
