@@ -1,11 +1,13 @@
 """Fast bool-mask arithmetic shared by every layer (CPU kernels measured in bench_losses.py).
 
 On the CPU, torch's kernels that read a ``bool`` tensor alongside a float one (``torch.where``
-with a bool condition, ``x * mask``, ``mask.float()``, ``mask.any(dim)``) take the slow,
-non-vectorised path: at 256x8192, ``torch.where(mask, x, 0)`` costs 3-7 ms where a float
-``clamp`` costs 0.2 ms. Reading the same bytes as ``uint8`` (a free view) takes the vectorised
-path: multiplying by the mask 0.35 ms, converting it 0.08 ms, a per-row "any" 0.02 ms. These
-helpers do exactly that; the results are bit-identical to the bool forms for finite inputs.
+with a bool condition, ``mask.any(dim)``, comparisons that produce a bool) take the slow,
+non-vectorised path, and a bool or ``uint8`` mask multiplied into a float tensor is first
+converted in a hidden temporary the size of the float tensor (whose first write, page faults
+included, costs more than the multiply). So: bool-with-bool and uint8-with-uint8 operations
+(``and_``, ``and_rows``, ``row_any``, ``count_rows``: fast, no conversion), and float masks
+kept in a buffer that is reused (``finite_in_scratch``) for the float multiplies on hot paths;
+``zero_outside_`` and ``as_float`` for the rest.
 """
 
 from __future__ import annotations
