@@ -27,6 +27,7 @@ __all__ = [
     "check_probability",
     "check_same_shape",
     "count",
+    "count_int",
     "field",
     "finite",
     "finite_in",
@@ -105,10 +106,17 @@ def as_float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+def count_int(mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """int64 number of True (nonzero) entries: ``count_nonzero``, ~50x faster than
+    ``bool.sum()`` on the CPU (which first converts the mask to int64 in a temporary; so does
+    ``mask.view(uint8).sum(dtype=int32)``, fast in a warm loop but paying for a fresh buffer in
+    a real call)."""
+    return torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim=dim)
+
+
 def count(mask: torch.Tensor, dim: int | None = None, *, keepdim: bool = False) -> torch.Tensor:
-    """Number of True entries as float32 (``count_nonzero``: ~50x faster than ``bool.sum()`` on
-    CPU, which first converts the mask to int64)."""
-    n = torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim=dim)
+    """Number of True entries as float32 (``count_int``, converted)."""
+    n = count_int(mask, dim)
     if keepdim and dim is not None:
         n = n.unsqueeze(dim)
     return n.float()

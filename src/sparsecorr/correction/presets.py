@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import count, finite
+from .._checks import count, count_int, finite
 from .._dist import all_reduce_sum
-from .._masks import and_rows, row_any, zero_outside_
+from .._masks import and_rows, float_into_, row_any, zero_outside_
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch
 from .base import Correction, CorrectionFn, Count
 from .masks import divergence_stat, opsm_mask, tail_mask
@@ -54,7 +54,7 @@ def _count_above(lr: torch.Tensor, valid: torch.Tensor, t: float) -> torch.Tenso
     """0-d int64: valid tokens with log-ratio above ``t`` (padding holds 0, which is above ``t``
     only when ``t < 0``: then masked). A bool comparison: a quarter of a float buffer."""
     above = lr > t
-    return torch.count_nonzero(above if t >= 0 else above.logical_and_(valid))
+    return count_int(above if t >= 0 else above.logical_and_(valid))
 
 
 def _out_of_band(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
@@ -150,7 +150,7 @@ def _unvetoed_rows(mm: Mismatch, threshold: float) -> torch.Tensor:
 
 def _vetoed(ok: torch.Tensor) -> Count:
     """The number of vetoed rows, ``B`` minus the rows kept (one count, no negation)."""
-    return Count(lambda: torch.count_nonzero(ok), coef=-1.0, offset=float(ok.shape[0]))
+    return Count(lambda: count_int(ok), coef=-1.0, offset=float(ok.shape[0]))
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ class SparseRL:
         keep = and_rows(in_band, ok)
         # TIS's weight on kept tokens, keep * (1 + (rho - 1)): rho - 1 from the record (shared
         # with the k3 metric), the float mask in the buffer (no hidden mask conversion), capped
-        keep_f = buf.copy_(keep)
+        keep_f = float_into_(buf, keep)
         w = torch.addcmul(keep_f, keep_f, mm.ratio_m1, out=keep_f)
         if cap is not None:
             w.clamp_(max=self.cap)
@@ -286,7 +286,7 @@ class SparseRL:
             "correction/truncated_frac": truncated or (
                 Count(lambda: _count_above(lr, valid, cap), per_token=True) if cap is not None
                 else torch.zeros(())),
-            "correction/band_rejected_frac": Count(lambda: torch.count_nonzero(in_band), per_token=True,
+            "correction/band_rejected_frac": Count(lambda: count_int(in_band), per_token=True,
                                                    coef=-1.0, offset=1.0),
             "correction/vetoed_seqs": _vetoed(ok),
         }

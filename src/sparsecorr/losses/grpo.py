@@ -36,10 +36,11 @@ from .._checks import (
     check_number,
     check_same_shape,
     count,
+    count_int,
     finite,
     finite_in,
 )
-from .._masks import and_, count_rows, finite_in_scratch, row_any
+from .._masks import and_, count_rows, finite_in_scratch, float_into_, row_any
 from ..correction import Correction
 from ..mismatch import (
     LOG_RATIO_CLAMP,
@@ -151,11 +152,11 @@ def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
         adv = adv.reshape(-1, 1)
         ok = finite(adv)
         return (adv.nan_to_num(0.0, 0.0, 0.0), and_(kept, ok),
-                lambda: (torch.count_nonzero(ok), -1.0, float(ok.shape[0])))  # B - finite rows
+                lambda: (count_int(ok), -1.0, float(ok.shape[0])))  # B - finite rows
     ok = finite(adv)
     bad = kept & ~ok
     return (adv.nan_to_num(0.0, 0.0, 0.0), and_(kept, ok),
-            lambda: (torch.count_nonzero(row_any(bad)), 1.0, 0.0))
+            lambda: (count_int(row_any(bad)), 1.0, 0.0))
 
 
 def sparse_grpo(
@@ -251,9 +252,9 @@ def sparse_grpo(
         adv, kept, bad_adv = _advantages(advantages, kept)
         # in place on our own copy: clean, zero outside the loss (multiplies by a float mask in
         # the test's buffer, which then holds -w A: no fresh [B, T] buffer, no torch.where)
-        kept_f = scratch.copy_(kept)
+        kept_f = float_into_(scratch, kept)
         lr = raw.nan_to_num_(0.0, 0.0, 0.0).mul_(kept_f)
-        n = torch.count_nonzero(kept)  # int64 (promoted where it meets a float)
+        n = count_int(kept)  # int64 (promoted where it meets a float)
         neg_adv = adv.neg() if corr is None or corr.scale is None else adv * -corr.scale.reshape(())
         w = None if corr is None else corr.token_weights
         neg_wa = kept_f.mul_(neg_adv)

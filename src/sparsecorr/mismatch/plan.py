@@ -3,7 +3,7 @@ r"""Metrics resolved in a handful of batched ops: ``MetricPlan``.
 Every metric of the loss path is either a ratio of sums over tokens (a mean, a fraction, a
 count) or an extreme. Computing each with its own arithmetic costs a few tiny tensor ops per
 metric (each with a fixed dispatch cost that dominates small batches). A plan collects the 0-d
-reductions once (integer counts straight from ``count_nonzero``, and 1-d blocks of several
+reductions once (integer counts straight from ``count_int``, and 1-d blocks of several
 sums, without a conversion or an ``unbind`` each), then resolves every ratio with one ``cat``
 (float32), one matrix-vector product (the
 numerators are linear combinations of the sums), one gather (the denominators), one division,

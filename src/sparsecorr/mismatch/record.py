@@ -36,8 +36,9 @@ from .._checks import (
     check_float_tensor,
     check_mask,
     check_same_shape,
+    count_int,
 )
-from .._masks import finite_in_scratch, row_any
+from .._masks import finite_in_scratch, float_into_, row_any
 
 __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
 
@@ -111,12 +112,12 @@ class Mismatch:
     @property
     def valid_count(self) -> torch.Tensor:
         """0-d int64: number of valid tokens (what the metric plan reads: no conversion)."""
-        return self._cached("valid_count", lambda: torch.count_nonzero(self.valid))
+        return self._cached("valid_count", lambda: count_int(self.valid))
 
     @property
     def input_count(self) -> torch.Tensor:
         """0-d int64: number of masked-in tokens."""
-        return self._cached("input_count", lambda: torch.count_nonzero(self.mask))
+        return self._cached("input_count", lambda: count_int(self.mask))
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -205,7 +206,7 @@ def measure(
     with torch.no_grad():
         raw = old_logp.detach().float() - rollout_logp.detach().float()
         valid, scratch = finite_in_scratch(raw, mask)
-        valid_f = scratch.copy_(valid)
+        valid_f = float_into_(scratch, valid)
         # in place: clean, clamp, zero outside the valid tokens (a multiply, not torch.where)
         lr = raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).mul_(valid_f)
     return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
