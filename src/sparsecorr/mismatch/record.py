@@ -38,7 +38,7 @@ from .._checks import (
     check_same_shape,
     count_int,
 )
-from .._masks import finite_in_scratch, float_into_, row_any
+from .._masks import as_float, finite_in_scratch, float_into_, row_any
 
 __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
 
@@ -102,12 +102,13 @@ class Mismatch:
         computed once and shared by the corrections' weights (\(\rho_t\) = this + 1) and the
         \(k_3\) metric (``expm1`` keeps a small \(\ell_t\) exact, where \(e^{\ell} - 1\) would
         cancel)."""
-        return self._cached("ratio_m1", lambda: torch.expm1(self.log_ratio))
+        # into the buffer measure() used for the finiteness test, when it is still free
+        return self._cached("ratio_m1", lambda: torch.expm1(self.log_ratio, out=self.cache.pop("_spare", None)))
 
     @property
     def valid_f(self) -> torch.Tensor:
-        """float32 ``valid`` (1/0), to multiply by (``measure`` leaves it: no extra pass)."""
-        return self._cached("valid_f", lambda: self.valid.float())
+        """float32 ``valid`` (1/0), to multiply by (cached; ``TIS`` reads it)."""
+        return self._cached("valid_f", lambda: as_float(self.valid))
 
     @property
     def valid_count(self) -> torch.Tensor:
@@ -211,5 +212,5 @@ def measure(
         lr = raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).mul_(valid_f)
     return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
                     acceptance=acceptance, advantages=advantages,
-                    logp=None if logp is None else logp.detach(), cache={"valid_f": valid_f})
+                    logp=None if logp is None else logp.detach(), cache={"_spare": valid_f})
 
