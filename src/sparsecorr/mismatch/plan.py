@@ -3,9 +3,9 @@ r"""Metrics resolved in a handful of batched ops: ``MetricPlan``.
 Every metric of the loss path is either a ratio of sums over tokens (a mean, a fraction, a
 count) or an extreme. Computing each with its own arithmetic costs a few tiny tensor ops per
 metric (each with a fixed dispatch cost that dominates small batches). A plan collects the 0-d
-reductions once (integer counts straight from ``count_int``, and 1-d blocks of several
-sums, without a conversion or an ``unbind`` each), then resolves every ratio with one ``cat``
-(float32), one matrix-vector product (the
+reductions once (integer counts straight from ``count_int``, without a conversion each), then
+resolves every ratio with one ``stack`` (float32: it promotes the counts), one matrix-vector
+product (the
 numerators are linear combinations of the sums), one gather (the denominators), one division,
 and every extreme with one stack — whatever the number of metrics. With a process group the
 sums are all-reduced in one collective and the extremes in another, on every rank alike (a
@@ -52,7 +52,7 @@ def _tables(spec: tuple, n_sums: int, device: torch.device) -> tuple[torch.Tenso
 
 @lru_cache(maxsize=8)
 def _one(device: torch.device) -> torch.Tensor:
-    return torch.ones(1, device=device)
+    return torch.ones((), device=device)
 
 
 @lru_cache(maxsize=256)
@@ -64,18 +64,12 @@ def _extreme_tables(spec: tuple, n_sums: int, device: torch.device):
     return idx.to(device), signs.to(device), fills.to(device)
 
 
-def _as_sum(x: torch.Tensor) -> torch.Tensor:
-    """float32 or integer as is (``cat`` promotes the integers), any other float to float32."""
-    return x.float() if x.is_floating_point() and x.dtype != torch.float32 else x.detach()
-
-
 class MetricPlan:
     """Collects 0-d reductions (``add``) and metrics defined on them (``ratio``, ``extreme``,
     ``value``); ``resolve()`` returns every metric as a detached 0-d float32 tensor."""
 
     def __init__(self) -> None:
-        self._sums: list[torch.Tensor] = []  # 0-d or 1-d: one key per entry of each
-        self._n = 0
+        self._sums: list[torch.Tensor] = []
         self._ratios: list[tuple[str, tuple, int | None, float]] = []
         self._extremes: list[tuple[str, torch.Tensor, int | None, float, float]] = []
         self._exp: set[str] = set()
@@ -84,16 +78,12 @@ class MetricPlan:
 
     def add(self, x: torch.Tensor) -> int:
         """Register a 0-d sum (a float sum over tokens, or an integer count); returns its key."""
-        self._sums.append(_as_sum(x).reshape(1))
-        self._n += 1
-        return self._n - 1
-
-    def add_many(self, x: torch.Tensor) -> list[int]:
-        """Register every entry of a 1-d tensor of sums (one reduction giving several); returns
-        their keys."""
-        self._sums.append(_as_sum(x).reshape(-1))
-        self._n += x.numel()
-        return list(range(self._n - x.numel(), self._n))
+        if x.dim():
+            x = x.reshape(())
+        if x.is_floating_point() and x.dtype != torch.float32:
+            x = x.float()
+        self._sums.append(x)
+        return len(self._sums) - 1
 
     def ratio(self, name: str, num: dict[int, float], den: int | None = None, *,
               offset: float = 0.0) -> None:
@@ -120,11 +110,11 @@ class MetricPlan:
 
     def resolve(self, group: object | None = None) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        n = self._n
+        n = len(self._sums)
         local = full = None
         if self._sums:
             # float32 (the constant 1 is; integer counts are promoted), the constant 1 last
-            local = torch.cat([*self._sums, _one(self._sums[0].device)])
+            local = torch.stack([*self._sums, _one(self._sums[0].device)]).detach()
             full = local
             if group is not None:
                 full = all_reduce_sum(local, group)
