@@ -15,7 +15,7 @@ import torch
 
 from .._checks import count, count_int, finite
 from .._dist import all_reduce_sum
-from .._masks import and_rows, float_into_, row_any, zero_outside_
+from .._masks import and_rows, count_float, float_into_, row_any, zero_outside_
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch
 from .base import Correction, CorrectionFn, Count
 from .masks import divergence_stat, opsm_mask, tail_mask
@@ -222,7 +222,8 @@ def _normalize(c: Correction, group: object | None) -> Correction:
     if c.token_weights is None:  # every kept weight is 1 already
         return c
     w = c.token_weights
-    w_sum, n = w.sum(), count(c.mask)
+    w_sum = w.sum()
+    n = c.cache["tokens"] if "tokens" in c.cache else count(c.mask)
     if group is not None:
         total = all_reduce_sum(torch.stack([w_sum, n]), group)
         w_tot, n_tot = total[0], total[1]
@@ -280,6 +281,7 @@ class SparseRL:
         # TIS's weight on kept tokens, keep * (1 + (rho - 1)): rho - 1 from the record (shared
         # with the k3 metric), the float mask in the buffer (no hidden mask conversion), capped
         keep_f = float_into_(buf, keep)
+        n_keep = count_float(keep_f)
         w = torch.addcmul(keep_f, keep_f, mm.ratio_m1, out=keep_f)
         if cap is not None:
             w.clamp_(max=self.cap)
@@ -291,8 +293,8 @@ class SparseRL:
                                                    coef=-1.0, offset=1.0),
             "correction/vetoed_seqs": _vetoed(ok),
         }
-        return _normalize(Correction(mask=keep, token_weights=w, piece_metrics=metrics, source=mm),
-                          self.group)
+        return _normalize(Correction(mask=keep, token_weights=w, piece_metrics=metrics, source=mm,
+                                     cache={} if n_keep is None else {"tokens": n_keep}), self.group)
 
     def __repr__(self) -> str:
         return (f"SparseRL(cap={self.cap}, low={self.low}, high={self.high}, "

@@ -38,7 +38,7 @@ from .._checks import (
     check_same_shape,
     count_int,
 )
-from .._masks import as_float, finite_in_scratch, float_into_, row_any
+from .._masks import as_float, count_float, finite_in_scratch, float_into_, row_any
 
 __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
 
@@ -112,7 +112,8 @@ class Mismatch:
 
     @property
     def valid_count(self) -> torch.Tensor:
-        """0-d int64: number of valid tokens (what the metric plan reads: no conversion)."""
+        """0-d: number of valid tokens (what the metric plan reads: no conversion; int64, or
+        float32 from ``measure``'s float mask)."""
         return self._cached("valid_count", lambda: count_int(self.valid))
 
     @property
@@ -208,9 +209,13 @@ def measure(
         raw = old_logp.detach().float() - rollout_logp.detach().float()
         valid, scratch = finite_in_scratch(raw, mask)
         valid_f = float_into_(scratch, valid)
+        cache = {"_spare": valid_f}  # the buffer, free once lr is masked: ratio_m1 takes it
+        n_valid = count_float(valid_f)
+        if n_valid is not None:
+            cache["valid_count"] = n_valid
         # in place: clean, clamp, zero outside the valid tokens (a multiply, not torch.where)
         lr = raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).mul_(valid_f)
     return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
                     acceptance=acceptance, advantages=advantages,
-                    logp=None if logp is None else logp.detach(), cache={"_spare": valid_f})
+                    logp=None if logp is None else logp.detach(), cache=cache)
 
