@@ -31,6 +31,7 @@ __all__ = [
     "field",
     "finite",
     "finite_in",
+    "finite_in_scratch",
 ]
 
 
@@ -122,26 +123,34 @@ def count(mask: torch.Tensor, dim: int | None = None, *, keepdim: bool = False) 
     return n.float()
 
 
-def _nonfinite(x: torch.Tensor) -> torch.Tensor:
-    """bool, True at NaN and ±inf: ``x * 0`` is 0 for a finite entry and NaN otherwise, and the
-    float-to-bool cast (``!= 0``) is one of the fast kernels. On this project's CPU build it
-    costs a third of ``|x| < inf`` and a sixth of ``torch.isfinite`` (both take the slow,
-    comparison-to-bool path; measured in ``benchmarks/bench_losses.py``'s notes)."""
-    return torch.mul(x.detach(), 0).bool()
+def _zero_or_nan(x: torch.Tensor) -> torch.Tensor:
+    """``x * 0``: 0 at a finite entry, NaN at NaN and ±inf. Its float-to-bool cast (``!= 0``),
+    True exactly at the non-finite entries, is one of the fast kernels: on this project's CPU
+    build the test costs a third of ``|x| < inf`` and a sixth of ``torch.isfinite`` (both take
+    the slow comparison-to-bool path; measured in ``benchmarks/RESULTS.md``)."""
+    return torch.mul(x.detach(), 0)
 
 
 def finite(x: torch.Tensor) -> torch.Tensor:
     """bool ``isfinite(x)``: False at NaN and ±inf. Below 4096 entries ``x * 0 == 0`` (two
     kernels; the comparison's slow path costs nothing there; ``torch.isfinite`` is four)."""
     if x.numel() <= 4096:
-        return torch.eq(torch.mul(x.detach(), 0), 0)
-    return _nonfinite(x).logical_not_()
+        return torch.eq(_zero_or_nan(x), 0)
+    return _zero_or_nan(x).bool().logical_not_()
+
+
+def finite_in_scratch(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``mask & isfinite(x)`` (``mask`` bool, broadcastable) in three kernels (``mask >
+    nonfinite`` on bools is the fast form of ``mask & ~nonfinite``), and the scratch buffer the
+    test used (``x * 0``, ``x``'s dtype and shape, any content) for the caller to reuse: on the
+    CPU a fresh ``[B, T]`` buffer's first write costs more than the arithmetic (page faults)."""
+    scratch = _zero_or_nan(x)
+    return torch.gt(mask, scratch.bool()), scratch
 
 
 def finite_in(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """bool ``mask & isfinite(x)`` (``mask`` bool, broadcastable), in three kernels:
-    ``mask > nonfinite`` on bools is the fast form of ``mask & ~nonfinite``."""
-    return torch.gt(mask, _nonfinite(x))
+    """bool ``mask & isfinite(x)`` (``finite_in_scratch`` without its buffer)."""
+    return finite_in_scratch(x, mask)[0]
 
 
 # -- scalar, integer-tensor and file-field checks (issue #14: validation before any work) ------

@@ -6,7 +6,7 @@ non-vectorised path, and a bool or ``uint8`` mask multiplied into a float tensor
 converted in a hidden temporary the size of the float tensor (whose first write, page faults
 included, costs more than the multiply). So: bool-with-bool and uint8-with-uint8 operations
 (``and_``, ``and_rows``, ``row_any``, ``count_rows``: fast, no conversion), and float masks
-kept in a buffer that is reused (``finite_in_scratch``) for the float multiplies on hot paths;
+kept in a buffer that is reused (``_checks.finite_in_scratch``) for the float multiplies on hot paths;
 ``zero_outside_`` and ``as_float`` for the rest.
 """
 
@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["and_", "and_rows", "as_float", "count_float", "count_rows", "finite_in_scratch", "float_into_",
-           "row_any", "zero_outside_"]
+__all__ = ["and_", "and_rows", "as_float", "count_float", "count_rows", "float_into_", "row_any", "zero_outside_"]
 
 
 def _u8(mask: torch.Tensor) -> torch.Tensor:
@@ -26,7 +25,7 @@ def zero_outside_(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``x`` with every entry outside ``mask`` set to 0, in place. ``x`` must be finite (NaN
     times 0 is NaN: clean it with ``nan_to_num_`` first). Same as ``torch.where(mask, x, 0)``.
     The multiply converts the mask to ``x``'s dtype in a temporary: on a hot path, multiply by
-    a float mask kept in a buffer instead (``finite_in_scratch``)."""
+    a float mask kept in a buffer instead (``_checks.finite_in_scratch``)."""
     return x.mul_(_u8(mask))
 
 
@@ -62,21 +61,11 @@ def count_rows(mask: torch.Tensor) -> torch.Tensor:
     return torch.count_nonzero(_u8(mask).amax(dim=-1))  # [B]: tiny
 
 
-def finite_in_scratch(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool ``mask & isfinite(x)`` and the float32 scratch buffer the test used (``x * 0``, any
-    content), for the caller to reuse, e.g. ``scratch.copy_(mask)``: a float mask to multiply by
-    without a new ``[B, T]`` buffer. On the CPU a fresh buffer's first write costs more than
-    the arithmetic (page faults), and a bool or uint8 mask in a float multiply is converted in a
-    hidden temporary; see ``_checks.finite_in`` for the test itself."""
-    scratch = torch.mul(x.detach().float(), 0)
-    return torch.gt(mask, scratch.bool()), scratch
-
-
-def count_float(mask_f: torch.Tensor) -> torch.Tensor | None:
-    """0-d float32 count of a float 0/1 mask: a float sum, 3x faster than ``count_nonzero`` of
-    the bool mask; exact while the count fits a float32 integer (2^24), else None (count the
-    bool mask instead)."""
-    return mask_f.sum() if mask_f.numel() <= 1 << 24 else None
+def count_float(mask_f: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0-d count of ``mask`` (bool) given the same mask as float 0/1 ``mask_f``: a float32 sum,
+    3x faster than ``count_nonzero``, while the count fits a float32 integer (2^24 entries);
+    above that ``count_nonzero(mask)`` (int64), exact."""
+    return mask_f.sum() if mask_f.numel() <= 1 << 24 else torch.count_nonzero(mask)
 
 
 def float_into_(buf: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsecorr._checks import finite, finite_in
-from sparsecorr._masks import and_, and_rows, count_rows, finite_in_scratch, row_any
+from sparsecorr._checks import finite, finite_in, finite_in_scratch
+from sparsecorr._masks import and_, and_rows, count_float, count_rows, row_any
 
 SPECIAL = [0.0, -0.0, 1.5, -3.0, float("nan"), float("inf"), float("-inf"), 1e-45, 3e38]
 
@@ -39,6 +39,7 @@ def test_finiteness_helpers_equal_isfinite(xm):
     assert scratch.shape == x.shape and scratch.dtype == torch.float32
     # the scratch buffer is the caller's to overwrite (a float mask, here)
     assert torch.equal(scratch.copy_(kept), kept.float())
+    assert int(count_float(scratch, kept)) == int(kept.sum())
 
 
 @given(float_masks())

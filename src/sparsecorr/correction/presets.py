@@ -281,7 +281,7 @@ class SparseRL:
         # TIS's weight on kept tokens, keep * (1 + (rho - 1)): rho - 1 from the record (shared
         # with the k3 metric), the float mask in the buffer (no hidden mask conversion), capped
         keep_f = float_into_(buf, keep)
-        n_keep = count_float(keep_f)
+        n_keep = count_float(keep_f, keep)
         w = torch.addcmul(keep_f, keep_f, mm.ratio_m1, out=keep_f)
         if cap is not None:
             w.clamp_(max=self.cap)
@@ -294,7 +294,7 @@ class SparseRL:
             "correction/vetoed_seqs": _vetoed(ok),
         }
         return _normalize(Correction(mask=keep, token_weights=w, piece_metrics=metrics, source=mm,
-                                     cache={} if n_keep is None else {"tokens": n_keep}), self.group)
+                                     cache={"tokens": n_keep}), self.group)
 
     def __repr__(self) -> str:
         return (f"SparseRL(cap={self.cap}, low={self.low}, high={self.high}, "

@@ -39,8 +39,9 @@ from .._checks import (
     count_int,
     finite,
     finite_in,
+    finite_in_scratch,
 )
-from .._masks import and_, count_float, count_rows, finite_in_scratch, float_into_, row_any
+from .._masks import and_, count_float, count_rows, float_into_, row_any
 from ..correction import Correction
 from ..mismatch import (
     LOG_RATIO_CLAMP,
@@ -254,9 +255,7 @@ def sparse_grpo(
         # the test's buffer, which then holds -w A: no fresh [B, T] buffer, no torch.where)
         kept_f = float_into_(scratch, kept)
         lr = raw.nan_to_num_(0.0, 0.0, 0.0).mul_(kept_f)
-        n = count_float(kept_f)
-        if n is None:
-            n = count_int(kept)  # int64 (promoted where it meets a float)
+        n = count_float(kept_f, kept)  # float32, or int64 (promoted where it meets a float)
         neg_adv = adv.neg() if corr is None or corr.scale is None else adv * -corr.scale.reshape(())
         w = None if corr is None else corr.token_weights
         neg_wa = kept_f.mul_(neg_adv)

@@ -37,8 +37,9 @@ from .._checks import (
     check_mask,
     check_same_shape,
     count_int,
+    finite_in_scratch,
 )
-from .._masks import as_float, count_float, finite_in_scratch, float_into_, row_any
+from .._masks import as_float, count_float, float_into_, row_any
 
 __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
 
@@ -209,10 +210,8 @@ def measure(
         raw = old_logp.detach().float() - rollout_logp.detach().float()
         valid, scratch = finite_in_scratch(raw, mask)
         valid_f = float_into_(scratch, valid)
-        cache = {"_spare": valid_f}  # the buffer, free once lr is masked: ratio_m1 takes it
-        n_valid = count_float(valid_f)
-        if n_valid is not None:
-            cache["valid_count"] = n_valid
+        # the buffer is free once lr is masked: ratio_m1 takes it
+        cache = {"_spare": valid_f, "valid_count": count_float(valid_f, valid)}
         # in place: clean, clamp, zero outside the valid tokens (a multiply, not torch.where)
         lr = raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).mul_(valid_f)
     return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
