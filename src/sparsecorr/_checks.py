@@ -32,6 +32,7 @@ __all__ = [
     "finite",
     "finite_in",
     "finite_in_scratch",
+    "host_all_finite",
 ]
 
 
@@ -139,11 +140,25 @@ def finite(x: torch.Tensor) -> torch.Tensor:
     return _zero_or_nan(x).bool().logical_not_()
 
 
+def host_all_finite(x: torch.Tensor) -> bool:
+    """True when ``x`` is on the CPU and every entry is finite, decided by one sum read back:
+    a NaN or ±inf entry makes the sum non-finite (so may an overflow of huge finite entries,
+    which only sends the caller to its general path). Always False off the CPU, where reading
+    a value back would make the host wait for the device."""
+    return x.device.type == "cpu" and math.isfinite(x.sum().item())
+
+
 def finite_in_scratch(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bool ``mask & isfinite(x)`` (``mask`` bool, broadcastable) in three kernels (``mask >
     nonfinite`` on bools is the fast form of ``mask & ~nonfinite``), and the scratch buffer the
     test used (``x * 0``, ``x``'s dtype and shape, any content) for the caller to reuse: on the
-    CPU a fresh ``[B, T]`` buffer's first write costs more than the arithmetic (page faults)."""
+    CPU a fresh ``[B, T]`` buffer's first write costs more than the arithmetic (page faults).
+
+    On the CPU, when every entry of ``x`` is finite (``host_all_finite``, one sum), the result
+    is ``mask`` itself (same shape as ``x``) and the buffer is uninitialised: the caller must
+    not modify the mask in place (test ``result is mask`` to know that nothing was dropped)."""
+    if mask.shape == x.shape and host_all_finite(x):
+        return mask, torch.empty_like(x)
     scratch = _zero_or_nan(x)
     return torch.gt(mask, scratch.bool()), scratch
 

@@ -15,7 +15,7 @@ import torch
 
 from .._checks import count, count_int, finite
 from .._dist import all_reduce_sum
-from .._masks import and_rows, count_float, float_into_, row_any, zero_outside_
+from .._masks import and_rows, count_float, row_any, zero_outside_
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch
 from .base import Correction, CorrectionFn, Count
 from .masks import divergence_stat, opsm_mask, tail_mask
@@ -264,32 +264,36 @@ class SparseRL:
     group: object | None = None
 
     def __call__(self, mm: Mismatch) -> Correction:
-        lr, valid = mm.log_ratio, mm.valid
         lo, hi, cap = _log(self.low, None), _log(self.high, None), _log(self.cap, None)
-        # the band test in a buffer that then holds the weights (one fresh [B, T] float)
-        buf = torch.clamp(lr, lo, hi).sub_(lr)  # nonzero exactly out of the band
-        in_band = torch.gt(valid, buf.bool())
-        truncated = None
-        if cap is not None and self.cap == self.high and hi >= 0:
-            # cap = high (Sparse-RL): a token the cap truncates is one above the band, where the
-            # buffer is < 0 (padding, 0, is inside): counted now, before the buffer is reused
-            # -(the number of them) as a float sum of signs (faster than a float count_nonzero)
-            minus_above = buf.clamp_(max=0.0).sign_().sum()
-            truncated = Count(lambda: minus_above, per_token=True, coef=-1.0)
+        if (lo is not None and lo > 0) or (hi is not None and hi < 0):  # padding (0) out of band
+            return _sparse_rl_general(self, mm, lo, hi, cap)
+        lr = mm.log_ratio
+        # the band test in a buffer that then holds the weights (one fresh [B, T] float): the
+        # clamp's move has sign +1 below the band, -1 above, 0 inside (padding, 0, included)
+        side = torch.clamp(lr, lo, hi).sub_(lr).sign_()
+        below_minus_above = side.sum()
+        out = side.abs_()  # 1.0 on the valid tokens out of the band
+        n_out = out.sum()
+        keep_f = torch.sub(mm.valid_f, out, out=out)
         ok = _unvetoed_rows(mm, self.veto_threshold)
-        keep = and_rows(in_band, ok)
-        # TIS's weight on kept tokens, keep * (1 + (rho - 1)): rho - 1 from the record (shared
-        # with the k3 metric), the float mask in the buffer (no hidden mask conversion), capped
-        keep_f = float_into_(buf, keep)
+        keep_f.mul_(ok.float().reshape(-1, 1))  # a [B, 1] factor: no [B, T] mask conversion
+        keep = keep_f.bool()
         n_keep = count_float(keep_f, keep)
+        # TIS's weight on kept tokens, keep * (1 + (rho - 1)), rho - 1 from the record (shared
+        # with the k3 metric), capped (a cap equal to ``high`` can still bind by a rounding)
         w = torch.addcmul(keep_f, keep_f, mm.ratio_m1, out=keep_f)
         if cap is not None:
             w.clamp_(max=self.cap)
+        if cap is None:
+            truncated = torch.zeros(())
+        elif cap == hi:  # above the cap = above the band: (out - (below - above)) / 2
+            truncated = Count(lambda: (n_out - below_minus_above) * 0.5, per_token=True)
+        else:
+            truncated = Count(lambda: _count_above(lr, mm.valid, cap), per_token=True)
         metrics = {
-            "correction/truncated_frac": truncated or (
-                Count(lambda: _count_above(lr, valid, cap), per_token=True) if cap is not None
-                else torch.zeros(())),
-            "correction/band_rejected_frac": Count(lambda: count_int(in_band), per_token=True,
+            "correction/truncated_frac": truncated,
+            # 1 - in band / valid, as BandMask reports it (1 on an empty batch)
+            "correction/band_rejected_frac": Count(lambda: mm.valid_count - n_out, per_token=True,
                                                    coef=-1.0, offset=1.0),
             "correction/vetoed_seqs": _vetoed(ok),
         }
@@ -299,3 +303,23 @@ class SparseRL:
     def __repr__(self) -> str:
         return (f"SparseRL(cap={self.cap}, low={self.low}, high={self.high}, "
                 f"veto_threshold={self.veto_threshold})")
+
+
+def _sparse_rl_general(p: SparseRL, mm: Mismatch, lo: float | None, hi: float | None,
+                       cap: float | None) -> Correction:
+    """``SparseRL`` when the band excludes ratio 1 (padding, log-ratio 0, is then out of it)."""
+    lr, valid = mm.log_ratio, mm.valid
+    in_band = torch.gt(valid, _out_of_band(lr, lo, hi))
+    ok = _unvetoed_rows(mm, p.veto_threshold)
+    keep = and_rows(in_band, ok)
+    w = zero_outside_(mm.ratio_m1.add(1.0), keep)
+    if cap is not None:
+        w.clamp_(max=p.cap)
+    metrics = {
+        "correction/truncated_frac": (Count(lambda: _count_above(lr, valid, cap), per_token=True)
+                                      if cap is not None else torch.zeros(())),
+        "correction/band_rejected_frac": Count(lambda: count_int(in_band), per_token=True,
+                                               coef=-1.0, offset=1.0),
+        "correction/vetoed_seqs": _vetoed(ok),
+    }
+    return _normalize(Correction(mask=keep, token_weights=w, piece_metrics=metrics, source=mm), p.group)

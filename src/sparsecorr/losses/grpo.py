@@ -40,8 +40,9 @@ from .._checks import (
     finite,
     finite_in,
     finite_in_scratch,
+    host_all_finite,
 )
-from .._masks import and_, count_float, count_rows, float_into_, row_any
+from .._masks import and_rows, count_float, count_rows, float_into_, row_any
 from ..correction import Correction
 from ..mismatch import (
     LOG_RATIO_CLAMP,
@@ -146,17 +147,19 @@ def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction
 
 def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
     """Float32 advantages (``[B, 1]`` or ``[B, T]``), 0 where non-finite; kept minus those
-    rows / tokens; a function giving ``(count, coef, offset)`` of the rows with a non-finite
-    advantage (``offset + coef * count``)."""
+    rows / tokens (a new mask: ``kept`` may be the caller's); a function giving ``(count,
+    coef, offset)`` of the rows with a non-finite advantage (``offset + coef * count``)."""
     adv = advantages.detach().float()
     if adv.dim() == 1 or adv.shape[1] == 1:
         adv = adv.reshape(-1, 1)
-        ok = finite(adv)
-        return (adv.nan_to_num(0.0, 0.0, 0.0), and_(kept, ok),
-                lambda: (count_int(ok), -1.0, float(ok.shape[0])))  # B - finite rows
+    if host_all_finite(adv):
+        return adv, kept, lambda: (torch.zeros((), device=adv.device), 1.0, 0.0)
     ok = finite(adv)
+    if adv.shape[1] == 1:
+        return (adv.nan_to_num(0.0, 0.0, 0.0), and_rows(kept, ok.reshape(-1)),
+                lambda: (count_int(ok), -1.0, float(ok.shape[0])))  # B - finite rows
     bad = kept & ~ok
-    return (adv.nan_to_num(0.0, 0.0, 0.0), and_(kept, ok),
+    return (adv.nan_to_num(0.0, 0.0, 0.0), kept & ok,
             lambda: (count_int(row_any(bad)), 1.0, 0.0))
 
 
@@ -247,6 +250,7 @@ def sparse_grpo(
         # the learner side: logp - old_logp must be finite (covers old_logp without a record)
         raw = logp.detach().float() - old_logp.detach().float()
         kept, scratch = finite_in_scratch(raw, base)
+        everything_finite = kept is base  # the CPU's one-sum test: no NaN to clean
         use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
         if use_ref:
             kept = finite_in(ref_logp, kept)
@@ -254,8 +258,9 @@ def sparse_grpo(
         # in place on our own copy: clean, zero outside the loss (multiplies by a float mask in
         # the test's buffer, which then holds -w A: no fresh [B, T] buffer, no torch.where)
         kept_f = float_into_(scratch, kept)
-        lr = raw.nan_to_num_(0.0, 0.0, 0.0).mul_(kept_f)
-        n = count_float(kept_f, kept)  # float32, or int64 (promoted where it meets a float)
+        lr = (raw if everything_finite else raw.nan_to_num_(0.0, 0.0, 0.0)).mul_(kept_f)
+        # float32, or int64 (promoted where it meets a float); the correction counted its mask
+        n = corr.tokens if corr is not None and kept is corr.mask else count_float(kept_f, kept)
         neg_adv = adv.neg() if corr is None or corr.scale is None else adv * -corr.scale.reshape(())
         w = None if corr is None else corr.token_weights
         neg_wa = kept_f.mul_(neg_adv)

@@ -3,11 +3,9 @@ r"""Metrics resolved in a handful of batched ops: ``MetricPlan``.
 Every metric of the loss path is either a ratio of sums over tokens (a mean, a fraction, a
 count) or an extreme. Computing each with its own arithmetic costs a few tiny tensor ops per
 metric (each with a fixed dispatch cost that dominates small batches). A plan collects the 0-d
-reductions once (integer counts straight from ``count_int``, without a conversion each), then
-resolves every ratio with one ``stack`` (float32: it promotes the counts), one matrix-vector
-product (the
-numerators are linear combinations of the sums), one gather (the denominators), one division,
-and every extreme with one stack — whatever the number of metrics. With a process group the
+reductions once (integer counts converted to float32, exact below 2^24), then resolves every
+ratio with one float32 ``stack``, one matrix-vector product (the numerators are linear
+combinations of the sums), one gather (the denominators), one division, and every extreme with one stack — whatever the number of metrics. With a process group the
 sums are all-reduced in one collective and the extremes in another, on every rank alike (a
 rank with an empty shard takes part and contributes nothing).
 
@@ -80,7 +78,7 @@ class MetricPlan:
         """Register a 0-d sum (a float sum over tokens, or an integer count); returns its key."""
         if x.dim():
             x = x.reshape(())
-        if x.is_floating_point() and x.dtype != torch.float32:
+        if x.dtype != torch.float32:  # one stack of float32 only (a mixed one costs 3x more)
             x = x.float()
         self._sums.append(x)
         return len(self._sums) - 1
@@ -113,7 +111,7 @@ class MetricPlan:
         n = len(self._sums)
         local = full = None
         if self._sums:
-            # float32 (the constant 1 is; integer counts are promoted), the constant 1 last
+            # float32 (``add`` converted the counts), the constant 1 last
             local = torch.stack([*self._sums, _one(self._sums[0].device)]).detach()
             full = local
             if group is not None:

@@ -103,12 +103,19 @@ class Mismatch:
         computed once and shared by the corrections' weights (\(\rho_t\) = this + 1) and the
         \(k_3\) metric (``expm1`` keeps a small \(\ell_t\) exact, where \(e^{\ell} - 1\) would
         cancel)."""
-        # into the buffer measure() used for the finiteness test, when it is still free
-        return self._cached("ratio_m1", lambda: torch.expm1(self.log_ratio, out=self.cache.pop("_spare", None)))
+        return self._cached("ratio_m1", self._expm1_into_spare)
+
+    def _expm1_into_spare(self) -> torch.Tensor:
+        # into the buffer measure() kept the float valid mask in: that cached mask goes with it
+        spare = self.cache.pop("_spare", None)
+        if spare is not None and self.cache.get("valid_f") is spare:
+            del self.cache["valid_f"]
+        return torch.expm1(self.log_ratio, out=spare)
 
     @property
     def valid_f(self) -> torch.Tensor:
-        """float32 ``valid`` (1/0), to multiply by (cached; ``TIS`` reads it)."""
+        """float32 ``valid`` (1/0), to multiply by (cached; ``TIS`` and ``SparseRL`` read it;
+        ``measure``'s copy lives until ``ratio_m1`` takes its buffer)."""
         return self._cached("valid_f", lambda: as_float(self.valid))
 
     @property
@@ -119,7 +126,8 @@ class Mismatch:
 
     @property
     def input_count(self) -> torch.Tensor:
-        """0-d int64: number of masked-in tokens."""
+        """0-d: number of masked-in tokens (int64; ``valid_count`` itself when ``measure`` found
+        every entry finite)."""
         return self._cached("input_count", lambda: count_int(self.mask))
 
     @property
@@ -211,9 +219,14 @@ def measure(
         valid, scratch = finite_in_scratch(raw, mask)
         valid_f = float_into_(scratch, valid)
         # the buffer is free once lr is masked: ratio_m1 takes it
-        cache = {"_spare": valid_f, "valid_count": count_float(valid_f, valid)}
-        # in place: clean, clamp, zero outside the valid tokens (a multiply, not torch.where)
-        lr = raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).mul_(valid_f)
+        cache = {"_spare": valid_f, "valid_f": valid_f, "valid_count": count_float(valid_f, valid)}
+        everything_finite = valid is mask  # the CPU's one-sum test: nothing dropped, no NaN to clean
+        if everything_finite:
+            cache["input_count"] = cache["valid_count"]
+        else:
+            raw.nan_to_num_(0.0, 0.0, 0.0)
+        # in place: clamp, zero outside the valid tokens (a multiply, not torch.where)
+        lr = raw.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).mul_(valid_f)
     return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
                     acceptance=acceptance, advantages=advantages,
                     logp=None if logp is None else logp.detach(), cache=cache)

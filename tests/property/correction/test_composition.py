@@ -67,7 +67,7 @@ def test_random_chains_keep_the_invariants(batch, names):
 
 @given(batch=logp_batches(nonfinite=True),
        cap=st.sampled_from([1.2, 1.5, 3.0, None]),
-       band=st.sampled_from([(0.5, 1.5), (0.2, 5.0), (0.9, 1.1)]),
+       band=st.sampled_from([(0.5, 1.5), (0.2, 5.0), (0.9, 1.1), (1.1, 2.0), (0.3, 0.8)]),
        threshold=st.sampled_from([1e-4, 1e-2, 0.5]))
 @settings(max_examples=60)
 def test_fused_sparse_rl_equals_its_composition_bit_for_bit(batch, cap, band, threshold):
