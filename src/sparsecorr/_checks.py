@@ -32,6 +32,7 @@ __all__ = [
     "finite",
     "finite_in",
     "finite_in_scratch",
+    "host_all",
     "host_all_finite",
 ]
 
@@ -146,6 +147,12 @@ def host_all_finite(x: torch.Tensor) -> bool:
     which only sends the caller to its general path). Always False off the CPU, where reading
     a value back would make the host wait for the device."""
     return x.device.type == "cpu" and math.isfinite(x.sum().item())
+
+
+def host_all(mask: torch.Tensor) -> bool:
+    """True when ``mask`` (bool) is on the CPU and all True (a small mask: the caller then
+    skips a ``[B, T]`` pass that would change nothing). Always False off the CPU (no read-back)."""
+    return mask.device.type == "cpu" and bool(mask.all())
 
 
 def finite_in_scratch(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import count, count_int, finite
+from .._checks import count, count_int, finite, host_all
 from .._dist import all_reduce_sum
 from .._masks import and_rows, count_float, row_any, zero_outside_
 from ..mismatch import LOG_RATIO_CLAMP, Mismatch
@@ -276,7 +276,8 @@ class SparseRL:
         n_out = out.sum()
         keep_f = torch.sub(mm.valid_f, out, out=out)
         ok = _unvetoed_rows(mm, self.veto_threshold)
-        keep_f.mul_(ok.float().reshape(-1, 1))  # a [B, 1] factor: no [B, T] mask conversion
+        if not host_all(ok):  # a [B, 1] factor: no [B, T] mask conversion
+            keep_f.mul_(ok.float().reshape(-1, 1))
         keep = keep_f.bool()
         n_keep = count_float(keep_f, keep)
         # TIS's weight on kept tokens, keep * (1 + (rho - 1)), rho - 1 from the record (shared

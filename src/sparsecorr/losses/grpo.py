@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -83,10 +84,20 @@ class KLPenalty:
         check_number("kl", self.coef, low=0)
 
 
+@lru_cache(maxsize=16)
+def _named(kind: str, name: str | float):
+    """The default object for a name (frozen: one instance serves every call)."""
+    if kind == "surrogate":
+        check_choice("surrogate", name, sorted(SURROGATES))
+        return SURROGATES[name]()
+    if kind == "aggregation":
+        return Aggregation(name)
+    return KLPenalty(coef=name)
+
+
 def _surrogate(surrogate: object) -> Callable:
     if isinstance(surrogate, str):
-        check_choice("surrogate", surrogate, sorted(SURROGATES))
-        return SURROGATES[surrogate]()
+        return _named("surrogate", surrogate)
     if not callable(surrogate):
         raise ValueError(f"surrogate: expected a name in {sorted(SURROGATES)} or a surrogate object, "
                          f"got {type(surrogate).__name__}")
@@ -97,11 +108,12 @@ def _options(surrogate, aggregation, kl, ref_logp, metrics):
     """Validate every hyperparameter before any tensor work."""
     sur = _surrogate(surrogate)
     if isinstance(aggregation, str):
-        aggregation = Aggregation(aggregation)
+        aggregation = _named("aggregation", aggregation)
     elif not isinstance(aggregation, Aggregation):
         raise ValueError(f"aggregation: expected a mode name or an Aggregation, got "
                          f"{type(aggregation).__name__}")
-    pen = kl if isinstance(kl, KLPenalty) else KLPenalty(coef=kl)
+    pen = kl if isinstance(kl, KLPenalty) else (
+        _named("kl", kl) if type(kl) in (int, float) else KLPenalty(coef=kl))
     if pen.coef > 0 and ref_logp is None:
         raise ValueError(f"ref_logp: expected a [B, T] tensor when kl > 0 (kl={pen.coef!r}), got None")
     check_choice("metrics", metrics, METRIC_LEVELS)
@@ -133,7 +145,7 @@ def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction
     if isinstance(correction, Correction):
         corr = correction
     elif callable(correction):
-        corr = correction(mm.with_context(advantages=advantages, logp=logp.detach()))
+        corr = correction(mm.with_context(advantages=advantages, logp=logp, validate=False))
     else:
         raise ValueError(f"correction: expected a callable Mismatch -> Correction or a "
                          f"Correction, got {type(correction).__name__}")

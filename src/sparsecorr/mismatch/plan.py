@@ -5,9 +5,10 @@ count) or an extreme. Computing each with its own arithmetic costs a few tiny te
 metric (each with a fixed dispatch cost that dominates small batches). A plan collects the 0-d
 reductions once (integer counts converted to float32, exact below 2^24), then resolves every
 ratio with one float32 ``stack``, one matrix-vector product (the numerators are linear
-combinations of the sums), one gather (the denominators), one division, and every extreme with one stack — whatever the number of metrics. With a process group the
-sums are all-reduced in one collective and the extremes in another, on every rank alike (a
-rank with an empty shard takes part and contributes nothing).
+combinations of the sums, the denominators picked by one-hot rows), one division, and every
+extreme with one stack — whatever the number of metrics. With a process group the sums are
+all-reduced in one collective and the extremes in another, on every rank alike (a rank with an
+empty shard takes part and contributes nothing).
 
 Example:
     >>> import torch
@@ -34,18 +35,19 @@ __all__ = ["MetricPlan"]
 
 
 @lru_cache(maxsize=256)
-def _tables(spec: tuple, n_sums: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Coefficients ``[M, K+1]``, denominator indices ``[M]`` and offsets ``[M]`` of a plan
+def _tables(spec: tuple, n_sums: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[2M, K+1]``: the numerators' coefficients over the ``M`` rows, then one-hot rows picking
+    each denominator (one matrix-vector product gives both), and the offsets ``[M]`` of a plan
     (index ``K`` is the constant 1 appended to the sums)."""
-    coef = torch.zeros(len(spec), n_sums + 1)
-    den = torch.empty(len(spec), dtype=torch.long)
-    off = torch.empty(len(spec))
+    m = len(spec)
+    coef = torch.zeros(2 * m, n_sums + 1)
+    off = torch.empty(m)
     for i, (terms, d, o) in enumerate(spec):
         for k, c in terms:
             coef[i, k] = c
-        den[i] = n_sums if d is None else d
+        coef[m + i, n_sums if d is None else d] = 1.0
         off[i] = o
-    return coef.to(device), den.to(device), off.to(device)
+    return coef.to(device), off.to(device)
 
 
 @lru_cache(maxsize=8)
@@ -119,8 +121,9 @@ class MetricPlan:
                 full[-1] = 1.0  # the constant, summed over the ranks: back to 1
         if self._ratios:
             spec = tuple((terms, den, off) for _, terms, den, off in self._ratios)
-            coef, den, off = _tables(spec, n, full.device)
-            vals = torch.addcdiv(off, coef @ full, full[den].clamp(min=1e-30)).unbind()
+            coef, off = _tables(spec, n, full.device)
+            num, den = (coef @ full).chunk(2)
+            vals = torch.addcdiv(off, num, den.clamp_(min=1e-30)).unbind()
             out.update(zip((r[0] for r in self._ratios), vals))
         extremes = self._extremes
         if group is None and self._local_exact:

@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -156,18 +155,23 @@ class Mismatch:
         return self._cached("input_rows", lambda: row_any(self.mask))
 
     def with_context(
-        self, *, advantages: torch.Tensor | None = None, logp: torch.Tensor | None = None
+        self, *, advantages: torch.Tensor | None = None, logp: torch.Tensor | None = None,
+        validate: bool = True,
     ) -> Mismatch:
         """A copy (no tensor copied) carrying ``advantages`` / detached ``logp`` for corrections
-        that read them (OPSM); it shares the cached counts with this record."""
-        if advantages is not None:
+        that read them (OPSM); it shares the cached counts with this record. ``validate=False``
+        skips the shape checks (inputs already checked, as ``sparse_grpo`` does)."""
+        if validate and advantages is not None:
             check_advantages(advantages, self.log_ratio)
         if logp is not None:
-            check_float_tensor("logp", logp)
-            check_same_shape(old_logp=self.log_ratio, logp=logp)
+            if validate:
+                check_float_tensor("logp", logp)
+                check_same_shape(old_logp=self.log_ratio, logp=logp)
             logp = logp.detach()
-        return dataclasses.replace(self, advantages=advantages if advantages is not None else self.advantages,
-                                   logp=logp if logp is not None else self.logp)
+        return Mismatch(log_ratio=self.log_ratio, valid=self.valid, mask=self.mask, old_logp=self.old_logp,
+                        rollout_logp=self.rollout_logp, acceptance=self.acceptance,
+                        advantages=advantages if advantages is not None else self.advantages,
+                        logp=logp if logp is not None else self.logp, cache=self.cache)
 
 
 def measure(
