@@ -23,6 +23,7 @@ whose advantage is, leaves the loss and is counted (``loss/nonfinite_tokens``,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -175,6 +176,31 @@ def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
             lambda: (count_int(row_any(bad)), 1.0, 0.0))
 
 
+def _learner_side(raw: torch.Tensor, base: torch.Tensor, ref_logp: torch.Tensor | None,
+                  advantages: torch.Tensor):
+    """The loss's tokens from ``base``: those with a finite ``raw = logp - old_logp`` (and
+    ``ref_logp``) and a finite advantage. Returns ``kept``, its float mask, ``raw`` in place as
+    the log-ratio (0 off ``kept``), the log-ratio's sum or None, and ``_advantages``' outputs.
+    On the CPU ``raw`` is masked first (a NaN or ±inf stays non-finite) and summed once: a
+    finite sum means nothing to drop, and it is the kept tokens' sum the PPO metric reads."""
+    lr_sum = None
+    if raw.device.type == "cpu" and raw.shape == base.shape:
+        kept_f = float_into_(torch.empty_like(raw), base)
+        total = raw.mul_(kept_f).sum()
+        kept = base if math.isfinite(total.item()) else finite_in(raw, base)
+        lr_sum = total if kept is base else None
+    else:
+        kept, kept_f = finite_in_scratch(raw, base)  # the buffer is filled below
+    if ref_logp is not None:
+        kept = finite_in(ref_logp, kept)
+    adv, kept, bad_adv = _advantages(advantages, kept)
+    if kept is not base or lr_sum is None:  # something dropped, or no host test: mask again
+        float_into_(kept_f, kept)
+        raw.nan_to_num_(0.0, 0.0, 0.0).mul_(kept_f)
+        lr_sum = None
+    return kept, kept_f, raw, lr_sum, adv, bad_adv
+
+
 def sparse_grpo(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -260,17 +286,9 @@ def sparse_grpo(
     base = _base_mask(corr, mm, mask)
     with torch.no_grad():
         # the learner side: logp - old_logp must be finite (covers old_logp without a record)
-        raw = logp.detach().float() - old_logp.detach().float()
-        kept, scratch = finite_in_scratch(raw, base)
-        everything_finite = kept is base  # the CPU's one-sum test: no NaN to clean
         use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
-        if use_ref:
-            kept = finite_in(ref_logp, kept)
-        adv, kept, bad_adv = _advantages(advantages, kept)
-        # in place on our own copy: clean, zero outside the loss (multiplies by a float mask in
-        # the test's buffer, which then holds -w A: no fresh [B, T] buffer, no torch.where)
-        kept_f = float_into_(scratch, kept)
-        lr = (raw if everything_finite else raw.nan_to_num_(0.0, 0.0, 0.0)).mul_(kept_f)
+        kept, kept_f, lr, lr_sum, adv, bad_adv = _learner_side(
+            logp.detach().float() - old_logp.detach().float(), base, ref_logp if use_ref else None, advantages)
         # float32, or int64 (promoted where it meets a float); the correction counted its mask
         n = corr.tokens if corr is not None and kept is corr.mask else count_float(kept_f, kept)
         neg_adv = adv.neg() if corr is None or corr.scale is None else adv * -corr.scale.reshape(())
@@ -281,7 +299,8 @@ def sparse_grpo(
     scales = agg.row_scales(kept, tokens=n)
     out = sur(SurrogateInputs(logp=logp, old_logp=old_logp.detach().float(), log_ratio=lr,
                               kept=kept, advantages=adv, neg_weighted_adv=neg_wa, scales=scales, n=n,
-                              metrics=metrics != "none", full_metrics=metrics == "full"))
+                              metrics=metrics != "none", full_metrics=metrics == "full",
+                              log_ratio_sum=lr_sum))
     token_loss, loss = out.token_loss, out.loss
     pg_loss = loss.detach()
     k3 = None

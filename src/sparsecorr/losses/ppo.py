@@ -60,6 +60,7 @@ class SurrogateInputs:
             during the forward pass only then).
         full_metrics: whether it will read the full set (``PPOClip`` then keeps \(\rho - 1\)
             for the ratio extremes instead of reusing its buffer).
+        log_ratio_sum: 0-d sum of ``log_ratio`` when the caller already has it (else None).
     """
 
     logp: torch.Tensor
@@ -72,6 +73,7 @@ class SurrogateInputs:
     n: torch.Tensor
     metrics: bool = True
     full_metrics: bool = False
+    log_ratio_sum: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -99,11 +101,11 @@ class SurrogateOutput:
 
 class _PPOClip(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, log_ratio, neg_wa, lo_m1, hi_m1, scales, level, neg_rows):
+    def forward(ctx, logp, log_ratio, neg_wa, lo_m1, hi_m1, scales, level, neg_rows, lr_sum):
         with torch.no_grad():
             sums = {}
             if level:
-                sums["lr"] = log_ratio.sum()
+                sums["lr"] = log_ratio.sum() if lr_sum is None else lr_sum
             # in place on the caller's scratch copy: rho - 1, exactly 0 off the loss
             em1 = log_ratio.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_().sub_(1.0)
             if level:
@@ -143,8 +145,8 @@ class _PPOClip(torch.autograd.Function):
         if g_token_loss is not None:
             coef = g_token_loss if coef is None else coef + g_token_loss
         if coef is None:
-            return (None,) * 8
-        return (coef * grad).to(ctx.logp_dtype), None, None, None, None, None, None, None
+            return (None,) * 9
+        return (coef * grad).to(ctx.logp_dtype), *(None,) * 8
 
 
 @lru_cache(maxsize=64)
@@ -170,7 +172,7 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
     level = 0 if not x.metrics else (2 if x.full_metrics else 1)
     neg_rows = (adv < 0).float() if level and dual_clip is not None else None
     token_loss, loss, em1, sums = _PPOClip.apply(
-        x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi, x.scales, level, neg_rows)
+        x.logp, x.log_ratio, x.neg_weighted_adv, lo, hi, x.scales, level, neg_rows, x.log_ratio_sum)
     return SurrogateOutput(token_loss, loss, sums=lambda: _ppo_sums(sums, dual_clip),
                            extra=lambda: ratio_extremes(em1, x.kept, x.n) if em1 is not None else {})
 

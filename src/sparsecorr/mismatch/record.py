@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -110,6 +111,17 @@ class Mismatch:
         if spare is not None and self.cache.get("valid_f") is spare:
             del self.cache["valid_f"]
         return torch.expm1(self.log_ratio, out=spare)
+
+    @property
+    def log_ratio_sum(self) -> torch.Tensor:
+        r"""0-d float32 \(\sum_t \ell_t\) over the valid tokens (cached)."""
+        return self._cached("log_ratio_sum", self.log_ratio.sum)
+
+    @property
+    def log_ratio_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """0-d ``(min, max)`` of ``log_ratio`` over every entry (0 at the non-valid ones; both 0
+        for an empty batch), cached."""
+        return self._cached("log_ratio_extremes", lambda: _extremes(self.log_ratio))
 
     @property
     def valid_f(self) -> torch.Tensor:
@@ -220,18 +232,46 @@ def measure(
             check_same_shape(old_logp=old_logp, logp=logp)
     with torch.no_grad():
         raw = old_logp.detach().float() - rollout_logp.detach().float()
-        valid, scratch = finite_in_scratch(raw, mask)
-        valid_f = float_into_(scratch, valid)
-        # the buffer is free once lr is masked: ratio_m1 takes it
-        cache = {"_spare": valid_f, "valid_f": valid_f, "valid_count": count_float(valid_f, valid)}
-        everything_finite = valid is mask  # the CPU's one-sum test: nothing dropped, no NaN to clean
-        if everything_finite:
-            cache["input_count"] = cache["valid_count"]
+        cache = _host_fast_path(raw, mask)
+        if cache is not None:  # every entry finite (CPU): raw is the record's log-ratio already
+            valid = mask
         else:
-            raw.nan_to_num_(0.0, 0.0, 0.0)
-        # in place: clamp, zero outside the valid tokens (a multiply, not torch.where)
-        lr = raw.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).mul_(valid_f)
-    return Mismatch(log_ratio=lr, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
+            valid, scratch = finite_in_scratch(raw, mask)
+            valid_f = float_into_(scratch, valid)
+            # the buffer is free once lr is masked: ratio_m1 takes it
+            cache = {"_spare": valid_f, "valid_f": valid_f, "valid_count": count_float(valid_f, valid)}
+            # in place: clean, clamp, zero outside the valid tokens (a multiply, not torch.where)
+            raw.nan_to_num_(0.0, 0.0, 0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).mul_(valid_f)
+    return Mismatch(log_ratio=raw, valid=valid, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
                     acceptance=acceptance, advantages=advantages,
                     logp=None if logp is None else logp.detach(), cache=cache)
 
+
+def _host_fast_path(raw: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    r"""On the CPU, where reading a value back costs nothing: zero ``raw`` outside ``mask`` in
+    place (a NaN or ±inf stays non-finite: \(\pm\infty \cdot 0\) is NaN), sum it and take its
+    extremes; when the sum is finite and the extremes lie within ±``LOG_RATIO_CLAMP``, ``raw``
+    is the record's log-ratio (no cleaning, no clamp) and the returned cache holds the float
+    mask, the counts (every masked-in token is valid), the sum and the extremes the metrics
+    read. Otherwise ``None``: the general path runs on ``raw`` (masked, so its non-finite
+    entries inside ``mask`` are where they were; clamping it later is the same as before)."""
+    if raw.device.type != "cpu" or mask.shape != raw.shape or raw.numel() == 0:
+        return None
+    mask_f = float_into_(torch.empty_like(raw), mask)
+    total = raw.mul_(mask_f).sum()
+    if not math.isfinite(total.item()):
+        return None
+    lo, hi = torch.aminmax(raw)
+    if lo.item() < -LOG_RATIO_CLAMP or hi.item() > LOG_RATIO_CLAMP:
+        raw.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        total, (lo, hi) = raw.sum(), torch.aminmax(raw)
+    n = count_float(mask_f, mask)
+    return {"_spare": mask_f, "valid_f": mask_f, "valid_count": n, "input_count": n,
+            "log_ratio_sum": total, "log_ratio_extremes": (lo, hi)}
+
+
+def _extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.numel() == 0:
+        z = torch.zeros((), device=x.device)
+        return z, z
+    return torch.aminmax(x)

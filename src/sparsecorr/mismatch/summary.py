@@ -142,14 +142,14 @@ def add_mismatch_metrics(plan: MetricPlan, mm: Mismatch, *, full: bool = False) 
     lr = mm.log_ratio
     e = mm.ratio_m1  # 0 outside the valid tokens; shared with the corrections' weights
     n, n_in = plan.add(mm.valid_count), plan.add(mm.input_count)
-    s_lr, s_e = plan.add(lr.sum()), plan.add(e.sum())
+    s_lr, s_e = plan.add(mm.log_ratio_sum), plan.add(e.sum())
     plan.ratio("mismatch/tokens", {n: 1.0})
     plan.ratio("mismatch/nonfinite_count", {n_in: 1.0, n: -1.0})
     plan.ratio("mismatch/log_ratio_mean", {s_lr: 1.0}, n)
     plan.ratio("mismatch/kl_k1_mean", {s_lr: -1.0}, n)
     plan.ratio("mismatch/kl_k3_mean", {s_e: 1.0, s_lr: -1.0}, n)
     # log-ratios are 0 off the valid tokens, so max(-min, max) over all entries is exact
-    lo, hi = _extremes(lr)  # no [B, T] buffer (|lr| would be one)
+    lo, hi = mm.log_ratio_extremes  # no [B, T] buffer (|lr| would be one)
     abs_max = torch.maximum(hi, lo.neg())
     plan.extreme("mismatch/log_ratio_abs_max", abs_max, empty=n, fill=0.0, local_exact=True)
     if full:

@@ -45,3 +45,30 @@ def test_counts_and_the_float_mask_survive_the_ratio_taking_its_buffer(nonfinite
     assert torch.equal(mm.valid_f, want_valid.float())  # recomputed, not the reused buffer
     assert float(mm.valid_count) == want_valid.sum() and float(mm.input_count) == mask.sum()
     assert float(mm.nonfinite) == (1.0 if nonfinite else 0.0)
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+@pytest.mark.parametrize("beyond_clamp", [False, True])
+def test_cached_sum_and_extremes_equal_the_clamped_log_ratio(nonfinite, beyond_clamp):
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(4, 7, generator=g)
+    roll = old + 0.3 * torch.randn(4, 7, generator=g)
+    mask = torch.rand(4, 7, generator=g) > 0.3
+    if beyond_clamp:
+        roll[0, 0], roll[1, 2] = old[0, 0] - 30.0, old[1, 2] + 25.0
+        mask[0, 0] = mask[1, 2] = True
+        roll[2, 3] = old[2, 3] - 50.0  # outside the mask: no effect
+        mask[2, 3] = False
+    if nonfinite:
+        roll[3, 1] = float("-inf")
+        mask[3, 1] = True
+    mm = measure(old, roll, mask)
+    diff = old - roll
+    ok = mask & torch.isfinite(diff)
+    want = torch.where(ok, diff.clamp(-20.0, 20.0), 0.0)
+    assert torch.equal(mm.log_ratio, want)
+    torch.testing.assert_close(mm.log_ratio_sum, want.sum())
+    lo, hi = mm.log_ratio_extremes
+    assert float(lo) == float(want.min()) and float(hi) == float(want.max())
+    if beyond_clamp:
+        assert float(hi) == 20.0 and float(lo) == -20.0
