@@ -1,8 +1,10 @@
 """The loss path against the peers' real code, every row timed in the same run (issue #13).
 
 Forward + backward on float32 ``[B, T]`` log-probs with a ragged mask (lengths uniform in
-[T/2, T]) at 64x4096 and 256x8192, every implementation called once per round in rotation,
-medians of ``--rounds`` rounds (>= 10). Rows:
+[T/2, T]) at 64x4096 and 256x8192, every implementation called once per round, in an order
+shuffled every round (seeded): the call that follows verl's pays for the memory verl's frees
+gave back to the OS (page faults; up to 1 ms at 64x4096), so a fixed order would charge that to
+one row. Medians of ``--rounds`` rounds (>= 10). Rows:
 
 - floor: ``(a - b).exp().clamp(max=2) * mask`` (shared/BASELINES.md);
 - sparsecorr: ``sparse_grpo(..., rollout_logp=..., correction=sparse_rl())`` with the default
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -134,10 +137,13 @@ def measure_size(b: int, t: int, rounds: int) -> dict:
     times: dict[str, list[float]] = {k: [] for k in impls}
     for fn in impls.values():  # warm-up
         fn(d)
-    for _ in range(rounds):  # rotation: every implementation once per round
-        for name, fn in impls.items():
+    rng = random.Random(0)
+    names = list(impls)
+    for _ in range(rounds):  # rotation: every implementation once per round, in a fresh order
+        rng.shuffle(names)  # (a call right after verl's pays for the memory verl gave back)
+        for name in names:
             t0 = time.perf_counter()
-            fn(d)
+            impls[name](d)
             times[name].append(time.perf_counter() - t0)
     # counted on the timed inputs: a path may depend on the size (a tiny [B] check is one
     # kernel where a [B, T] one is three fast ones)
@@ -230,13 +236,13 @@ def one_run(quick: bool, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds (a smoke run)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default 12; quick 3)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default 30; quick 3)")
     parser.add_argument("--runs", type=int, default=1, help="independent runs (fresh processes)")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-kl", action="store_true", help="skip the kl_from_logits rows")
     args = parser.parse_args()
     setup(2)
-    rounds = args.rounds or (3 if args.quick else 12)
+    rounds = args.rounds or (3 if args.quick else 30)
     if args.json:
         print(json.dumps(one_run(args.quick, rounds)))
         return

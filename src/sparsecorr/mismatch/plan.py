@@ -89,7 +89,7 @@ class MetricPlan:
               offset: float = 0.0) -> None:
         r"""``name = offset + (\sum_k c_k s_k) / s_{den}`` (``den=None``: no division; a zero
         denominator gives ``offset``, as every numerator here is then 0 too)."""
-        self._ratios.append((name, tuple(sorted(num.items())), den, offset))
+        self._ratios.append((name, tuple(num.items()), den, offset))
 
     def extreme(self, name: str, x: torch.Tensor, *, empty: int | None = None, sign: float = 1.0,
                 fill: float = float("nan"), exp: bool = False, local_exact: bool = False) -> None:
