@@ -2,9 +2,9 @@
 
 Forward + backward on float32 ``[B, T]`` log-probs with a ragged mask (lengths uniform in
 [T/2, T]) at 64x4096 and 256x8192, every implementation called once per round, in an order
-shuffled every round (seeded): the call that follows verl's pays for the memory verl's frees
-gave back to the OS (page faults; up to 1 ms at 64x4096), so a fixed order would charge that to
-one row. Medians of ``--rounds`` rounds (>= 10). Rows:
+shuffled every round (seeded): the call that follows verl's runs up to 1 ms slower at 64x4096
+(measured: the floor takes 1.25 ms there against 0.5 ms elsewhere; verl frees hundreds of MiB
+and evicts the caches), so a fixed order would charge that to whichever row comes next. Medians of ``--rounds`` rounds (>= 10). Rows:
 
 - floor: ``(a - b).exp().clamp(max=2) * mask`` (shared/BASELINES.md);
 - sparsecorr: ``sparse_grpo(..., rollout_logp=..., correction=sparse_rl())`` with the default
@@ -140,7 +140,7 @@ def measure_size(b: int, t: int, rounds: int) -> dict:
     rng = random.Random(0)
     names = list(impls)
     for _ in range(rounds):  # rotation: every implementation once per round, in a fresh order
-        rng.shuffle(names)  # (a call right after verl's pays for the memory verl gave back)
+        rng.shuffle(names)  # (a fixed order charges the cost of following verl to one row)
         for name in names:
             t0 = time.perf_counter()
             impls[name](d)
