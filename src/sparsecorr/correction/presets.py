@@ -276,10 +276,12 @@ class SparseRL:
         n_out = out.sum()
         keep_f = torch.sub(mm.valid_f, out, out=out)
         ok = _unvetoed_rows(mm, self.veto_threshold)
-        if not host_all(ok):  # a [B, 1] factor: no [B, T] mask conversion
-            keep_f.mul_(ok.float().reshape(-1, 1))
-        keep = keep_f.bool()
-        n_keep = count_float(keep_f, keep)
+        if host_all(ok):  # nothing vetoed: kept = valid - out of the band
+            keep = keep_f.bool()
+            n_keep = mm.valid_count - n_out
+        else:  # a [B, 1] factor: no [B, T] mask conversion
+            keep = keep_f.mul_(ok.float().reshape(-1, 1)).bool()
+            n_keep = count_float(keep_f, keep)
         # TIS's weight on kept tokens, keep * (1 + (rho - 1)), rho - 1 from the record (shared
         # with the k3 metric), capped (a cap equal to ``high`` can still bind by a rounding)
         w = torch.addcmul(keep_f, keep_f, mm.ratio_m1, out=keep_f)
