@@ -141,6 +141,9 @@ def _unvetoed_rows(mm: Mismatch, threshold: float) -> torch.Tensor:
     """``[B]`` bool: rows without a valid token of ratio below ``threshold``."""
     t = math.log(threshold)
     if t < 0 and mm.shape[-1] > 0:  # padding holds 0 > t: the row minimum decides (one reduction)
+        if mm.log_ratio.device.type == "cpu" and float(mm.log_ratio_extremes[0]) >= t:
+            # the batch minimum (the record's, cached) is above: no row is vetoed, no pass
+            return torch.ones(mm.shape[0], dtype=torch.bool)
         return mm.log_ratio.amin(dim=-1) >= t
     below = mm.log_ratio < t
     if t >= 0:  # padding holds log-ratio 0, which would count as "below"

@@ -249,25 +249,24 @@ def measure(
 
 def _host_fast_path(raw: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
     r"""On the CPU, where reading a value back costs nothing: zero ``raw`` outside ``mask`` in
-    place (a NaN or ±inf stays non-finite: \(\pm\infty \cdot 0\) is NaN), sum it and take its
-    extremes; when the sum is finite and the extremes lie within ±``LOG_RATIO_CLAMP``, ``raw``
-    is the record's log-ratio (no cleaning, no clamp) and the returned cache holds the float
-    mask, the counts (every masked-in token is valid), the sum and the extremes the metrics
-    read. Otherwise ``None``: the general path runs on ``raw`` (masked, so its non-finite
-    entries inside ``mask`` are where they were; clamping it later is the same as before)."""
+    place (a NaN or ±inf stays non-finite: \(\pm\infty \cdot 0\) is NaN) and take its extremes
+    (``aminmax`` propagates NaN and ±inf). When both are finite, ``raw`` is the record's
+    log-ratio (no cleaning; clamped only if an extreme lies beyond ±``LOG_RATIO_CLAMP``) and
+    the returned cache holds the float mask, the counts (every masked-in token is valid) and
+    the extremes the metrics read. Otherwise ``None``: the general path runs on ``raw``
+    (masked, so its non-finite entries inside ``mask`` are where they were)."""
     if raw.device.type != "cpu" or mask.shape != raw.shape or raw.numel() == 0:
         return None
     mask_f = float_into_(torch.empty_like(raw), mask)
-    total = raw.mul_(mask_f).sum()
-    if not math.isfinite(total.item()):
+    lo, hi = torch.aminmax(raw.mul_(mask_f))
+    lo_v, hi_v = lo.item(), hi.item()
+    if not (math.isfinite(lo_v) and math.isfinite(hi_v)):
         return None
-    lo, hi = torch.aminmax(raw)
-    if lo.item() < -LOG_RATIO_CLAMP or hi.item() > LOG_RATIO_CLAMP:
-        raw.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        total, (lo, hi) = raw.sum(), torch.aminmax(raw)
+    if lo_v < -LOG_RATIO_CLAMP or hi_v > LOG_RATIO_CLAMP:
+        lo, hi = torch.aminmax(raw.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     n = count_float(mask_f, mask)
     return {"_spare": mask_f, "valid_f": mask_f, "valid_count": n, "input_count": n,
-            "log_ratio_sum": total, "log_ratio_extremes": (lo, hi)}
+            "log_ratio_extremes": (lo, hi)}
 
 
 def _extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
