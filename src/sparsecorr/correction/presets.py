@@ -74,7 +74,8 @@ class TIS:
     def __call__(self, mm: Mismatch) -> Correction:
         lo, hi = _log(self.floor, None), _log(self.cap, None)
         lr, valid = mm.log_ratio, mm.valid
-        w = mm.ratio_m1.add(1.0).clamp_(min=self.floor, max=self.cap).mul_(mm.valid_f)
+        # clamp before masking: a floor > 0 must not reach the padding
+        w = mm.ratio_copy().clamp_(min=self.floor, max=self.cap).mul_(mm.valid_f)
         outside = (lambda: valid & _out_of_band(lr, lo, hi)) if (lo, hi) != (None, None) else None
         metrics = {"correction/truncated_frac": Count(lambda: count(outside()), per_token=True)
                    if outside else torch.zeros(())}
@@ -117,7 +118,7 @@ class BandMask:
             keep = and_rows(mm.valid, _out_of_band(stat, lo, hi).logical_not_())
         w = None
         if self.reweight:
-            w = mm.ratio_m1.add(1.0) if self.level == "token" else stat.exp()[:, None].expand(keep.shape).clone()
+            w = mm.ratio_copy() if self.level == "token" else stat.exp()[:, None].expand(keep.shape).clone()
             w = zero_outside_(w, keep)
         rejected = {"correction/band_rejected_frac": Count(lambda: count(keep), per_token=True,
                                                            coef=-1.0, offset=1.0)}
@@ -285,9 +286,10 @@ class SparseRL:
         else:  # a [B, 1] factor: no [B, T] mask conversion
             keep = keep_f.mul_(ok.float().reshape(-1, 1)).bool()
             n_keep = count_float(keep_f, keep)
-        # TIS's weight on kept tokens, keep * (1 + (rho - 1)), rho - 1 from the record (shared
-        # with the k3 metric), capped (a cap equal to ``high`` can still bind by a rounding)
-        w = torch.addcmul(keep_f, keep_f, mm.ratio_m1, out=keep_f)
+        # TIS's weight on kept tokens, keep * rho (from the record's rho - 1 when the loss
+        # computed it for the k3 metric), capped (a cap equal to ``high`` can still bind by a
+        # rounding)
+        w = mm.ratio_times(keep_f)
         if cap is not None:
             w.clamp_(max=self.cap)
         if cap is None:
@@ -318,7 +320,7 @@ def _sparse_rl_general(p: SparseRL, mm: Mismatch, lo: float | None, hi: float | 
     in_band = torch.gt(valid, _out_of_band(lr, lo, hi))
     ok = _unvetoed_rows(mm, p.veto_threshold)
     keep = and_rows(in_band, ok)
-    w = zero_outside_(mm.ratio_m1.add(1.0), keep)
+    w = zero_outside_(mm.ratio_copy(), keep)
     if cap is not None:
         w.clamp_(max=p.cap)
     metrics = {

@@ -282,6 +282,8 @@ def sparse_grpo(
         _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp, mismatch)
     mm = mismatch if mismatch is not None else (
         measure(old_logp, rollout_logp, mask, validate=False) if rollout_logp is not None else None)
+    if mm is not None and metrics != "none":
+        mm.expect_ratio_m1()  # the k3 metric reads rho - 1: the weights are built from it too
     corr = _correction(correction, mm, advantages, logp)
     base = _base_mask(corr, mm, mask)
     with torch.no_grad():

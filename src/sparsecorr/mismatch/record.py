@@ -46,6 +46,8 @@ __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
 #: the one bound on every per-token log-ratio before ``exp`` (shared/DESIGN.md: ±20)
 LOG_RATIO_CLAMP = 20.0
 
+_EXPECT_M1 = "_expect_ratio_m1"  # cache key: a consumer will read ratio_m1
+
 
 @dataclass(frozen=True, eq=False)
 class Mismatch:
@@ -86,7 +88,7 @@ class Mismatch:
     advantages: torch.Tensor | None = None
     logp: torch.Tensor | None = None
     #: counts computed on first use, shared with the copies ``with_context`` makes
-    cache: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    cache: dict[str, object] = field(default_factory=dict, repr=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -106,11 +108,40 @@ class Mismatch:
         return self._cached("ratio_m1", self._expm1_into_spare)
 
     def _expm1_into_spare(self) -> torch.Tensor:
-        # into the buffer measure() kept the float valid mask in: that cached mask goes with it
+        return torch.expm1(self.log_ratio, out=self._take_spare())
+
+    def _take_spare(self) -> torch.Tensor | None:
+        # the buffer measure() kept the float valid mask in: that cached mask goes with it
         spare = self.cache.pop("_spare", None)
         if spare is not None and self.cache.get("valid_f") is spare:
             del self.cache["valid_f"]
-        return torch.expm1(self.log_ratio, out=spare)
+        return spare
+
+    def expect_ratio_m1(self) -> None:
+        """Declare that ``ratio_m1`` will be read (``sparse_grpo``'s k3 metric): the corrections'
+        weights are then built from it (one transcendental pass for both) instead of ``exp``."""
+        self.cache[_EXPECT_M1] = None
+
+    def ratio_times(self, mask_f: torch.Tensor) -> torch.Tensor:
+        r"""``mask_f * rho`` in place (``mask_f`` a float 0/1 mask, overwritten and returned):
+        from ``ratio_m1`` as ``mask_f + mask_f * (rho - 1)`` when it is computed or expected
+        (``expect_ratio_m1``), else from \(e^{\ell_t}\) (cached; ``exp`` is a third cheaper
+        than ``expm1`` on the CPU). The two differ by at most one float32 ulp; every correction
+        reading the same record takes the same one."""
+        if "ratio_m1" in self.cache or _EXPECT_M1 in self.cache:
+            return torch.addcmul(mask_f, mask_f, self.ratio_m1, out=mask_f)
+        ratio = self._cached("ratio", lambda: torch.exp(self.log_ratio, out=self._take_spare()))
+        return mask_f.mul_(ratio)
+
+    def ratio_copy(self) -> torch.Tensor:
+        r"""A new float32 tensor holding \(\rho_t = e^{\ell_t}\) (1 where not valid), the
+        caller's to modify; by the same rule as ``ratio_times`` (``ratio_m1 + 1`` when that is
+        computed, else ``exp``)."""
+        if "ratio_m1" in self.cache or _EXPECT_M1 in self.cache:
+            return self.ratio_m1.add(1.0)
+        if "ratio" in self.cache:
+            return self.cache["ratio"].clone()
+        return torch.exp(self.log_ratio)
 
     @property
     def log_ratio_sum(self) -> torch.Tensor:
