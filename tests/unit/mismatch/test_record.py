@@ -72,3 +72,20 @@ def test_cached_sum_and_extremes_equal_the_clamped_log_ratio(nonfinite, beyond_c
     assert float(lo) == float(want.min()) and float(hi) == float(want.max())
     if beyond_clamp:
         assert float(hi) == 20.0 and float(lo) == -20.0
+
+
+@pytest.mark.parametrize("expect_m1", [False, True])
+def test_weight_ratio_within_one_ulp_of_exp_and_zero_off_the_mask(expect_m1):
+    mm, mask = _record(nonfinite=True)
+    if expect_m1:
+        mm.expect_ratio_m1()
+    want = torch.exp(mm.log_ratio)
+    copy = mm.ratio_copy()
+    torch.testing.assert_close(copy, want, rtol=1.2e-7, atol=0.0)
+    copy.fill_(0.0)  # the caller's to modify: the record's own tensors are untouched
+    times = mm.ratio_times(mm.valid_f.clone())
+    torch.testing.assert_close(times, torch.where(mm.valid, want, 0.0), rtol=1.2e-7, atol=0.0)
+    assert ("ratio_m1" in mm.cache) == expect_m1
+    a, b = mm.ratio_copy(), mm.ratio_copy()  # the same rule every call, the record unchanged
+    assert torch.equal(a, b) and a is not b
+    torch.testing.assert_close(a, want, rtol=1.2e-7, atol=0.0)
