@@ -133,18 +133,18 @@ class Veto:
 
     def __call__(self, mm: Mismatch) -> Correction:
         ok = _unvetoed_rows(mm, self.threshold)
-        keep = and_rows(mm.valid, ok)
+        keep = mm.valid if ok is None else and_rows(mm.valid, ok)
         # a vetoed row has a valid token below the threshold: it is never an empty row
         return Correction(mask=keep, piece_metrics={"correction/vetoed_seqs": _vetoed(ok)}, source=mm)
 
 
-def _unvetoed_rows(mm: Mismatch, threshold: float) -> torch.Tensor:
-    """``[B]`` bool: rows without a valid token of ratio below ``threshold``."""
+def _unvetoed_rows(mm: Mismatch, threshold: float) -> torch.Tensor | None:
+    """``[B]`` bool: rows without a valid token of ratio below ``threshold``; None when that is
+    every row and the CPU could tell without a pass (the record's cached batch minimum)."""
     t = math.log(threshold)
     if t < 0 and mm.shape[-1] > 0:  # padding holds 0 > t: the row minimum decides (one reduction)
         if mm.log_ratio.device.type == "cpu" and float(mm.log_ratio_extremes[0]) >= t:
-            # the batch minimum (the record's, cached) is above: no row is vetoed, no pass
-            return torch.ones(mm.shape[0], dtype=torch.bool)
+            return None
         return mm.log_ratio.amin(dim=-1) >= t
     below = mm.log_ratio < t
     if t >= 0:  # padding holds log-ratio 0, which would count as "below"
@@ -152,8 +152,10 @@ def _unvetoed_rows(mm: Mismatch, threshold: float) -> torch.Tensor:
     return row_any(below).logical_not_()
 
 
-def _vetoed(ok: torch.Tensor) -> Count:
+def _vetoed(ok: torch.Tensor | None) -> Count | torch.Tensor:
     """The number of vetoed rows, ``B`` minus the rows kept (one count, no negation)."""
+    if ok is None:
+        return torch.zeros(())
     return Count(lambda: count_int(ok), coef=-1.0, offset=float(ok.shape[0]))
 
 
@@ -225,9 +227,15 @@ def _normalize(c: Correction, group: object | None) -> Correction:
     kept apart (``Correction.scale``): the loss folds it into the per-row advantages."""
     if c.token_weights is None:  # every kept weight is 1 already
         return c
-    w = c.token_weights
-    w_sum = w.sum()
     n = c.cache["tokens"] if "tokens" in c.cache else count(c.mask)
+    return _normalized(c.mask, c.token_weights, n, c.piece_metrics, c.source, group)
+
+
+def _normalized(mask: torch.Tensor, w: torch.Tensor, n: torch.Tensor, metrics: dict,
+                source: Mismatch | None, group: object | None) -> Correction:
+    """The ``Correction`` of ``mask`` and weights ``w`` (``n`` kept tokens) with the scale that
+    makes the kept weights' mean 1 (over the ranks of ``group``)."""
+    w_sum = w.sum()
     if group is not None:
         total = all_reduce_sum(torch.stack([w_sum, n]), group)
         w_tot, n_tot = total[0], total[1]
@@ -236,8 +244,8 @@ def _normalize(c: Correction, group: object | None) -> Correction:
     # the new scale replaces any inner one: the final weights are w * n / sum(w). A sum of 0
     # means no kept token (kept weights of the library's corrections are > 0): any scale works
     scale = n_tot / w_tot.clamp(min=1e-30)
-    return Correction(mask=c.mask, token_weights=w, scale=scale, piece_metrics=c.piece_metrics,
-                      source=c.source, cache={"weight_sum": w_sum, "tokens": n})
+    return Correction(mask=mask, token_weights=w, scale=scale, piece_metrics=metrics,
+                      source=source, cache={"weight_sum": w_sum, "tokens": n})
 
 
 @dataclass(frozen=True)
@@ -280,7 +288,7 @@ class SparseRL:
         n_out = out.sum()
         keep_f = torch.sub(mm.valid_f, out, out=out)
         ok = _unvetoed_rows(mm, self.veto_threshold)
-        if host_all(ok):  # nothing vetoed: kept = valid - out of the band
+        if ok is None or host_all(ok):  # nothing vetoed: kept = valid - out of the band
             keep = keep_f.bool()
             n_keep = mm.valid_count - n_out
         else:  # a [B, 1] factor: no [B, T] mask conversion
@@ -305,8 +313,7 @@ class SparseRL:
                                                    coef=-1.0, offset=1.0),
             "correction/vetoed_seqs": _vetoed(ok),
         }
-        return _normalize(Correction(mask=keep, token_weights=w, piece_metrics=metrics, source=mm,
-                                     cache={"tokens": n_keep}), self.group)
+        return _normalized(keep, w, n_keep, metrics, mm, self.group)
 
     def __repr__(self) -> str:
         return (f"SparseRL(cap={self.cap}, low={self.low}, high={self.high}, "
@@ -319,7 +326,7 @@ def _sparse_rl_general(p: SparseRL, mm: Mismatch, lo: float | None, hi: float | 
     lr, valid = mm.log_ratio, mm.valid
     in_band = torch.gt(valid, _out_of_band(lr, lo, hi))
     ok = _unvetoed_rows(mm, p.veto_threshold)
-    keep = and_rows(in_band, ok)
+    keep = in_band if ok is None else and_rows(in_band, ok)
     w = zero_outside_(mm.ratio_copy(), keep)
     if cap is not None:
         w.clamp_(max=p.cap)
