@@ -32,10 +32,12 @@ __all__ = ["Correction", "CorrectionFn", "Count", "chain"]
 class Count:
     """A lazy piece metric ``offset + coef * count / denominator``: ``count()`` is computed on
     first access; ``per_token=True`` divides by the source's valid tokens (a fraction of them),
-    else the metric is the (scaled) count itself. Resolved with every other metric in a few
+    else the metric is the (scaled) count itself. ``count()`` may also return a tuple of
+    ``(0-d tensor, factor)`` terms, the count being their linear combination (an empty tuple:
+    0), which the plan forms without a tensor op. Resolved with every other metric in a few
     batched ops (``MetricPlan``)."""
 
-    count: Callable[[], torch.Tensor]
+    count: Callable[[], torch.Tensor | tuple[tuple[torch.Tensor, float], ...]]
     per_token: bool = False
     coef: float = 1.0
     offset: float = 0.0
@@ -132,7 +134,9 @@ class Correction:
             if isinstance(value, Count):
                 if value.per_token and tokens is None:
                     tokens = plan.add(self.source.valid_count if self.source is not None else self.tokens)
-                plan.ratio(name, {plan.add(value.count()): value.coef},
+                c = value.count()
+                terms = c if isinstance(c, tuple) else ((c, 1.0),)
+                plan.ratio(name, {plan.add(t): value.coef * k for t, k in terms},
                            tokens if value.per_token else None, offset=value.offset)
             else:
                 plan.value(name, value() if callable(value) else value)

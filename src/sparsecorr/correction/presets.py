@@ -152,10 +152,10 @@ def _unvetoed_rows(mm: Mismatch, threshold: float) -> torch.Tensor | None:
     return row_any(below).logical_not_()
 
 
-def _vetoed(ok: torch.Tensor | None) -> Count | torch.Tensor:
+def _vetoed(ok: torch.Tensor | None) -> Count:
     """The number of vetoed rows, ``B`` minus the rows kept (one count, no negation)."""
     if ok is None:
-        return torch.zeros(())
+        return Count(tuple)  # none: 0, no tensor op
     return Count(lambda: count_int(ok), coef=-1.0, offset=float(ok.shape[0]))
 
 
@@ -303,14 +303,14 @@ class SparseRL:
         if cap is None:
             truncated = torch.zeros(())
         elif cap == hi:  # above the cap = above the band: (out - (below - above)) / 2
-            truncated = Count(lambda: (n_out - below_minus_above) * 0.5, per_token=True)
+            truncated = Count(lambda: ((n_out, 0.5), (below_minus_above, -0.5)), per_token=True)
         else:
             truncated = Count(lambda: _count_above(lr, mm.valid, cap), per_token=True)
         metrics = {
             "correction/truncated_frac": truncated,
             # 1 - in band / valid, as BandMask reports it (1 on an empty batch)
-            "correction/band_rejected_frac": Count(lambda: mm.valid_count - n_out, per_token=True,
-                                                   coef=-1.0, offset=1.0),
+            "correction/band_rejected_frac": Count(lambda: ((mm.valid_count, 1.0), (n_out, -1.0)),
+                                                   per_token=True, coef=-1.0, offset=1.0),
             "correction/vetoed_seqs": _vetoed(ok),
         }
         return _normalized(keep, w, n_keep, metrics, mm, self.group)
