@@ -7,6 +7,7 @@ would make the loss silently zero or constant is refused before any batch is see
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from .._checks import check_choice, check_number, check_probability
 from .base import CorrectionFn, chain
@@ -140,6 +141,14 @@ def sparse_rl(*, cap: float = 1.5, low: float = 0.5, high: float = 1.5, veto_thr
         >>> c.weights[0]  # ratios 1.2, 0.8, 1.0, mean already 1
         tensor([1.2000, 0.8000, 1.0000])
     """
+    try:  # frozen: one validated object per setting (it is often built inside the step)
+        return _sparse_rl(cap, low, high, veto_threshold, group)
+    except TypeError:  # an unhashable argument (a group object): validated each time
+        return _sparse_rl.__wrapped__(cap, low, high, veto_threshold, group)
+
+
+@lru_cache(maxsize=32, typed=True)
+def _sparse_rl(cap, low, high, veto_threshold, group) -> SparseRL:
     _cap(cap, 0.0)
     _band(low, high)
     check_number("veto_threshold", veto_threshold, low=0, low_open=True)

@@ -70,10 +70,15 @@ class Mismatch:
             policy); set by ``sparse_grpo`` or ``with_context``.
 
     Cached on first use (no host synchronisation): ``ratio_m1`` (\(e^{\ell_t} - 1\), read by
-    the IS weights and the k3 metric alike), ``tokens`` (valid count; ``valid_count`` as int64),
-    ``input_tokens`` (``input_count``),
+    the k3 metric and, when expected, the IS weights), ``log_ratio_sum`` and
+    ``log_ratio_extremes`` (read by the metrics, the veto and the clamp decision), ``tokens``
+    (valid count; ``valid_count`` unconverted), ``input_tokens`` (``input_count``),
     ``nonfinite`` (masked-in tokens dropped as non-finite), ``valid_rows``/``input_rows``
-    (``[B]`` bool: rows with a valid / masked-in token).
+    (``[B]`` bool: rows with a valid / masked-in token). The IS weights read \(\rho_t\) through
+    ``ratio_times`` / ``ratio_copy``: from ``ratio_m1`` when it is computed or expected
+    (``expect_ratio_m1``, which ``sparse_grpo`` calls when it reports the k3 metric: one
+    transcendental pass for both), else from ``exp`` (a third cheaper on the CPU); the two agree
+    to one float32 ulp and every correction of a record takes the same one.
 
     Shapes:
         log_ratio, valid, mask, old_logp, rollout_logp, acceptance: ``[B, T]``.
@@ -233,6 +238,12 @@ def measure(
     token is masked in and the difference is finite (a NaN or ±inf in either log-prob makes it
     non-finite), else 0. Non-finite tokens are dropped from ``valid`` and counted
     (``Mismatch.nonfinite``); they never reach a correction or a loss. No gradient flows.
+
+    Cost: on the CPU the common case (every difference finite, none beyond ±20) is decided by
+    one ``aminmax`` read back on the host, after which ``valid`` is ``mask`` itself (do not
+    modify it in place while the record is in use) and nothing is cleaned or clamped; on other
+    devices (no read-back) and in the other cases the general path runs (``torch.isfinite``'s
+    equivalent, cleaning, clamping). Both give the same record.
 
     Args:
         old_logp: dense log-probs of the sampled tokens (rollout-time weights).
