@@ -160,7 +160,7 @@ def finite_in_scratch(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
     """bool ``mask & isfinite(x)`` (``mask`` bool, broadcastable) in three kernels (``mask >
     nonfinite`` on bools is the fast form of ``mask & ~nonfinite``), and the scratch buffer the
     test used (``x * 0``, ``x``'s dtype and shape, any content) for the caller to reuse: on the
-    CPU a fresh ``[B, T]`` buffer's first write costs more than the arithmetic (page faults).
+    CPU a fresh ``[B, T]`` buffer (allocation and first write) costs as much as the arithmetic.
 
     On the CPU, when every entry of ``x`` is finite (``host_all_finite``, one sum), the result
     is ``mask`` itself (same shape as ``x``) and the buffer is uninitialised: the caller must
