@@ -55,10 +55,11 @@ def and_rows(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def count_rows(mask: torch.Tensor) -> torch.Tensor:
-    """0-d int64: rows of a ``[B, T]`` mask with a True entry (``mask.any(-1).sum()``)."""
+    """0-d float32: rows of a ``[B, T]`` mask with a True entry (``mask.any(-1).sum()``; exact
+    below 2^24 rows)."""
     if mask.shape[-1] == 0:
-        return torch.zeros((), dtype=torch.int64, device=mask.device)
-    return torch.count_nonzero(_u8(mask).amax(dim=-1))  # [B]: tiny
+        return torch.zeros((), device=mask.device)
+    return _u8(mask).amax(dim=-1).sum(dtype=torch.float32)  # [B]: tiny
 
 
 def count_float(mask_f: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

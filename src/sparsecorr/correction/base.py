@@ -177,7 +177,7 @@ def standard_metrics(c: Correction, plan: MetricPlan, *, full: bool = False) -> 
     plan.ratio("correction/weight_mean", {k_w: 1.0}, k_kept)
     # normalised ESS (sum w)^2 / (n sum w^2), 0 when nothing is kept
     plan.ratio("correction/ess", {k_ess_num: 1.0}, k_ess_den)
-    plan.ratio("correction/nonfinite_count", {k_in: 1.0, plan.add(src.valid_count): -1.0}
+    plan.ratio("correction/nonfinite_count", plan.difference(src.input_count, src.valid_count)
                if src is not None else {})
     if full:
         rows_in = row_any(c.mask) if src is None else src.input_rows

@@ -368,7 +368,7 @@ def _metrics(out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
     if fallback is not None:
         plan.value("loss/normalizer_fallback", fallback)
     if mm is not None:
-        plan.ratio("loss/nonfinite_rollout", {plan.add(mm.input_count): 1.0, plan.add(mm.valid_count): -1.0})
+        plan.ratio("loss/nonfinite_rollout", plan.difference(mm.input_count, mm.valid_count))
         add_mismatch_metrics(plan, mm, full=full)
     if corr is not None:
         corr.add_metrics(plan, full=full)

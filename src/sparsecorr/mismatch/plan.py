@@ -85,6 +85,11 @@ class MetricPlan:
         self._sums.append(x)
         return len(self._sums) - 1
 
+    def difference(self, a: torch.Tensor, b: torch.Tensor) -> dict[int, float]:
+        """The terms of ``a - b`` for ``ratio`` (none when ``a`` is ``b``: exactly 0, and two
+        keys of one dict literal would collide)."""
+        return {} if a is b else {self.add(a): 1.0, self.add(b): -1.0}
+
     def ratio(self, name: str, num: dict[int, float], den: int | None = None, *,
               offset: float = 0.0) -> None:
         r"""``name = offset + (\sum_k c_k s_k) / s_{den}`` (``den=None``: no division; a zero

@@ -141,10 +141,10 @@ def add_mismatch_metrics(plan: MetricPlan, mm: Mismatch, *, full: bool = False) 
     default level, four more for ``full``."""
     lr = mm.log_ratio
     e = mm.ratio_m1  # 0 outside the valid tokens; shared with the corrections' weights
-    n, n_in = plan.add(mm.valid_count), plan.add(mm.input_count)
+    n = plan.add(mm.valid_count)
     s_lr, s_e = plan.add(mm.log_ratio_sum), plan.add(e.sum())
     plan.ratio("mismatch/tokens", {n: 1.0})
-    plan.ratio("mismatch/nonfinite_count", {n_in: 1.0, n: -1.0})
+    plan.ratio("mismatch/nonfinite_count", plan.difference(mm.input_count, mm.valid_count))
     plan.ratio("mismatch/log_ratio_mean", {s_lr: 1.0}, n)
     plan.ratio("mismatch/kl_k1_mean", {s_lr: -1.0}, n)
     plan.ratio("mismatch/kl_k3_mean", {s_e: 1.0, s_lr: -1.0}, n)
