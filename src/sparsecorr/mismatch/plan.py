@@ -103,7 +103,9 @@ class MetricPlan:
         ``exp``: report ``exp`` of it (a ratio extreme from a log-ratio extreme).
         ``local_exact``: ``x`` is already the metric on one process, ``fill`` included (then
         only a process group needs the batched form)."""
-        self._extremes.append((name, x.reshape(()).float(), empty, sign, fill))
+        if x.dim() or x.dtype != torch.float32:
+            x = x.reshape(()).float()
+        self._extremes.append((name, x, empty, sign, fill))
         if exp:
             self._exp.add(name)
         if local_exact:
