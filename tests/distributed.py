@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from collections.abc import Callable
@@ -21,7 +22,8 @@ def _free_port() -> int:
 
 def _entry(rank: int, world: int, port: int, fn: Callable[[int, int], Any], out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a collective that a rank never joins (ranks out of step) fails the test instead of hanging it
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         out[rank] = fn(rank, world)
     finally:

@@ -154,8 +154,8 @@ def _unvetoed_rows(mm: Mismatch, threshold: float) -> torch.Tensor | None:
 
 def _vetoed(ok: torch.Tensor | None) -> Count:
     """The number of vetoed rows, ``B`` minus the rows kept (one count, no negation)."""
-    if ok is None:
-        return Count(tuple)  # none: 0, no tensor op
+    if ok is None:  # none; one zero sum all the same (a plan's layout must not depend on the data)
+        return Count(lambda: torch.zeros(()))
     return Count(lambda: count_int(ok), coef=-1.0, offset=float(ok.shape[0]))
 
 

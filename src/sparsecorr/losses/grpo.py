@@ -161,13 +161,13 @@ def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction
 def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
     """Float32 advantages (``[B, 1]`` or ``[B, T]``), 0 where non-finite; kept minus those
     rows / tokens (a new mask: ``kept`` may be the caller's); a function giving ``(count,
-    coef, offset)`` of the rows with a non-finite advantage (``offset + coef * count``; count
-    None: 0)."""
+    coef, offset)`` of the rows with a non-finite advantage (``offset + coef * count``)."""
     adv = advantages.detach().float()
     if adv.dim() == 1 or adv.shape[1] == 1:
         adv = adv.reshape(-1, 1)
     if host_all_finite(adv):
-        return adv, kept, lambda: (None, 0.0, 0.0)  # nothing to count
+        # nothing to count: a zero all the same (a metric plan's layout must not depend on the data)
+        return adv, kept, lambda: (torch.zeros((), device=adv.device), 1.0, 0.0)
     ok = finite(adv)
     if adv.shape[1] == 1:
         return (adv.nan_to_num(0.0, 0.0, 0.0), and_rows(kept, ok.reshape(-1)),
@@ -360,7 +360,7 @@ def _metrics(out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
     plan.ratio("loss/sequences", {plan.add(count_rows(kept)): 1.0})
     plan.ratio("loss/nonfinite_tokens", {plan.add(n_base): 1.0, k_n: -1.0})
     bad, coef, offset = bad_adv()
-    plan.ratio("loss/nonfinite_advantage_seqs", {} if bad is None else {plan.add(bad): coef}, offset=offset)
+    plan.ratio("loss/nonfinite_advantage_seqs", {plan.add(bad): coef}, offset=offset)
     if full:
         for name, value in out.extra().items():
             plan.value(name, value)

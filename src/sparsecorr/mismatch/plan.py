@@ -66,7 +66,9 @@ def _extreme_tables(spec: tuple, n_sums: int, device: torch.device):
 
 class MetricPlan:
     """Collects 0-d reductions (``add``) and metrics defined on them (``ratio``, ``extreme``,
-    ``value``); ``resolve()`` returns every metric as a detached 0-d float32 tensor."""
+    ``value``); ``resolve()`` returns every metric as a detached 0-d float32 tensor. Which sums
+    are registered, and in what order, must not depend on the data (a rank's NaNs, an empty
+    veto): ``resolve(group)`` all-reduces them as one vector on every rank."""
 
     def __init__(self) -> None:
         self._sums: list[torch.Tensor] = []
@@ -86,9 +88,10 @@ class MetricPlan:
         return len(self._sums) - 1
 
     def difference(self, a: torch.Tensor, b: torch.Tensor) -> dict[int, float]:
-        """The terms of ``a - b`` for ``ratio`` (none when ``a`` is ``b``: exactly 0, and two
-        keys of one dict literal would collide)."""
-        return {} if a is b else {self.add(a): 1.0, self.add(b): -1.0}
+        """The terms of ``a - b`` for ``ratio``: two sums, even when ``a`` is ``b`` (the sums a
+        plan registers must not depend on the data: ``resolve(group)`` all-reduces them as one
+        vector, and every rank must contribute the same layout)."""
+        return {self.add(a): 1.0, self.add(b): -1.0}
 
     def ratio(self, name: str, num: dict[int, float], den: int | None = None, *,
               offset: float = 0.0) -> None:
