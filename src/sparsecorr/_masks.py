@@ -5,7 +5,7 @@ with a bool condition, ``mask.any(dim)``, comparisons that produce a bool) take 
 non-vectorised path, and a bool or ``uint8`` mask multiplied into a float tensor is first
 converted in a hidden temporary the size of the float tensor (whose first write, page faults
 included, costs more than the multiply). So: bool-with-bool and uint8-with-uint8 operations
-(``and_``, ``and_rows``, ``row_any``, ``count_rows``: fast, no conversion), and float masks
+(``and_rows``, ``row_any``, ``count_rows``: fast, no conversion), and float masks
 kept in a buffer that is reused (``_checks.finite_in_scratch``) for the float multiplies on hot paths;
 ``zero_outside_`` and ``as_float`` for the rest.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["and_", "and_rows", "as_float", "count_float", "count_rows", "float_into_", "row_any", "zero_outside_"]
+__all__ = ["and_rows", "as_float", "count_float", "count_rows", "float_into_", "row_any", "zero_outside_"]
 
 
 def _u8(mask: torch.Tensor) -> torch.Tensor:
@@ -39,14 +39,6 @@ def row_any(mask: torch.Tensor) -> torch.Tensor:
     if mask.shape[-1] == 0:
         return torch.zeros(mask.shape[:-1], dtype=torch.bool, device=mask.device)
     return _u8(mask).amax(dim=-1).bool()
-
-
-
-def and_(mask: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """``mask &= other`` in place (``other`` broadcastable, e.g. ``[B, 1]``): a ``uint8``
-    multiply, 20x faster than the broadcasting bool ``&=`` on the CPU."""
-    _u8(mask).mul_(_u8(other))
-    return mask
 
 
 def and_rows(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

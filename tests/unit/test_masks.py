@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsecorr._checks import finite, finite_in, finite_in_scratch
-from sparsecorr._masks import and_, and_rows, count_float, count_rows, row_any
+from sparsecorr._masks import and_rows, count_float, count_rows, row_any
 
 SPECIAL = [0.0, -0.0, 1.5, -3.0, float("nan"), float("inf"), float("-inf"), 1e-45, 3e38]
 
@@ -50,6 +50,3 @@ def test_row_helpers_equal_plain_forms(xm):
     assert torch.equal(and_rows(mask, rows), mask & rows[:, None])
     assert torch.equal(row_any(mask), mask.any(-1))
     assert int(count_rows(mask)) == int(mask.any(-1).sum()) and count_rows(mask).dtype == torch.float32
-    other = (torch.rand(mask.shape[0], 1) < 0.5)
-    want = mask & other
-    assert torch.equal(and_(mask.clone(), other), want)

@@ -127,13 +127,18 @@ class Mismatch:
         weights are then built from it (one transcendental pass for both) instead of ``exp``."""
         self.cache[_EXPECT_M1] = None
 
+    def _ratio_from_m1(self) -> bool:
+        """The one rule of ``ratio_times`` and ``ratio_copy``: rho from ``ratio_m1`` when it is
+        computed or expected, else from ``exp``."""
+        return "ratio_m1" in self.cache or _EXPECT_M1 in self.cache
+
     def ratio_times(self, mask_f: torch.Tensor) -> torch.Tensor:
         r"""``mask_f * rho`` in place (``mask_f`` a float 0/1 mask, overwritten and returned):
         from ``ratio_m1`` as ``mask_f + mask_f * (rho - 1)`` when it is computed or expected
         (``expect_ratio_m1``), else from \(e^{\ell_t}\) (cached; ``exp`` is a third cheaper
         than ``expm1`` on the CPU). The two differ by at most one float32 ulp; every correction
         reading the same record takes the same one."""
-        if "ratio_m1" in self.cache or _EXPECT_M1 in self.cache:
+        if self._ratio_from_m1():
             return torch.addcmul(mask_f, mask_f, self.ratio_m1, out=mask_f)
         ratio = self._cached("ratio", lambda: torch.exp(self.log_ratio, out=self._take_spare()))
         return mask_f.mul_(ratio)
@@ -142,7 +147,7 @@ class Mismatch:
         r"""A new float32 tensor holding \(\rho_t = e^{\ell_t}\) (1 where not valid), the
         caller's to modify; by the same rule as ``ratio_times`` (``ratio_m1 + 1`` when that is
         computed, else ``exp``)."""
-        if "ratio_m1" in self.cache or _EXPECT_M1 in self.cache:
+        if self._ratio_from_m1():
             return self.ratio_m1.add(1.0)
         if "ratio" in self.cache:
             return self.cache["ratio"].clone()
@@ -312,6 +317,7 @@ def _host_fast_path(raw: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Te
 
 
 def _extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d ``(min, max)`` of ``x`` (both 0 when it is empty)."""
     if x.numel() == 0:
         z = torch.zeros((), device=x.device)
         return z, z

@@ -31,7 +31,7 @@ from .._checks import check_choice, count, finite
 from .._dist import all_gather_varlen
 from .plan import MetricPlan
 from .quantiles import masked_quantile
-from .record import Mismatch, measure
+from .record import Mismatch, _extremes, measure
 
 __all__ = ["LEVELS", "add_mismatch_metrics", "as_metrics", "mismatch_metrics", "mismatch_quantiles",
            "quantile_name"]
@@ -61,13 +61,6 @@ def _quantiles(x: torch.Tensor, valid: torch.Tensor, qs: Sequence[float], group)
         return masked_quantile(x, valid, list(qs))
     vals = all_gather_varlen(x[valid].float(), group)
     return masked_quantile(vals, torch.ones_like(vals, dtype=torch.bool), list(qs))
-
-
-def _extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.numel() == 0:
-        z = torch.zeros((), device=x.device)
-        return z, z
-    return torch.aminmax(x)
 
 
 def mismatch_metrics(
