@@ -39,6 +39,7 @@ from .._checks import (
     count_int,
     finite_in_scratch,
 )
+from .._fastexp import exp_into
 from .._masks import as_float, count_float, float_into_, row_any
 
 __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
@@ -135,23 +136,23 @@ class Mismatch:
     def ratio_times(self, mask_f: torch.Tensor) -> torch.Tensor:
         r"""``mask_f * rho`` in place (``mask_f`` a float 0/1 mask, overwritten and returned):
         from ``ratio_m1`` as ``mask_f + mask_f * (rho - 1)`` when it is computed or expected
-        (``expect_ratio_m1``), else from \(e^{\ell_t}\) (cached; ``exp`` is a third cheaper
-        than ``expm1`` on the CPU). The two differ by at most one float32 ulp; every correction
-        reading the same record takes the same one."""
+        (``expect_ratio_m1``), else from \(e^{\ell_t}\) (cached; ``_fastexp.exp_into``, 3x
+        cheaper than ``expm1`` on the CPU). The two differ by a few float32 ulp (``_fastexp``);
+        every correction reading the same record takes the same one."""
         if self._ratio_from_m1():
             return torch.addcmul(mask_f, mask_f, self.ratio_m1, out=mask_f)
-        ratio = self._cached("ratio", lambda: torch.exp(self.log_ratio, out=self._take_spare()))
+        ratio = self._cached("ratio", lambda: exp_into(self.log_ratio, self._take_spare()))
         return mask_f.mul_(ratio)
 
     def ratio_copy(self) -> torch.Tensor:
         r"""A new float32 tensor holding \(\rho_t = e^{\ell_t}\) (1 where not valid), the
         caller's to modify; by the same rule as ``ratio_times`` (``ratio_m1 + 1`` when that is
-        computed, else ``exp``)."""
+        computed, else ``_fastexp.exp_into``)."""
         if self._ratio_from_m1():
             return self.ratio_m1.add(1.0)
         if "ratio" in self.cache:
             return self.cache["ratio"].clone()
-        return torch.exp(self.log_ratio)
+        return exp_into(self.log_ratio)
 
     @property
     def log_ratio_sum(self) -> torch.Tensor:
