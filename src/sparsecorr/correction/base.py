@@ -24,7 +24,7 @@ import torch
 
 from .._checks import count
 from .._masks import row_any
-from ..mismatch import MetricPlan, Mismatch, as_metrics
+from ..mismatch import MetricPlan, Mismatch
 
 __all__ = ["Correction", "CorrectionFn", "Count", "chain"]
 
@@ -123,7 +123,7 @@ class Correction:
     def metrics_at(self, level: str) -> dict[str, torch.Tensor]:
         plan = MetricPlan()
         self.add_metrics(plan, full=level == "full")
-        return as_metrics(plan.resolve())
+        return plan.resolve()  # detached 0-d float32 already
 
     def add_metrics(self, plan: MetricPlan, *, full: bool = False) -> None:
         """Register every metric of this correction on ``plan`` (``sparse_grpo`` resolves the

@@ -327,7 +327,9 @@ def sparse_grpo(
                      agg=agg, full=metrics == "full")
         m["loss/pg_loss"] = pg_loss
         m["loss/loss"] = loss.detach()
-    return LossOutput(loss=loss, token_loss=token_loss, metrics=as_metrics(m), mask=kept)
+    # the plan's metrics are detached 0-d float32 already; pg_loss / loss are when logp's dtype is
+    return LossOutput(loss=loss, token_loss=token_loss, mask=kept,
+                      metrics=m if pg_loss.dtype == torch.float32 and not pg_loss.dim() else as_metrics(m))
 
 
 def _base_mask(corr: Correction | None, mm: Mismatch | None, mask: torch.Tensor) -> torch.Tensor:
@@ -374,5 +376,5 @@ def _metrics(out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
         corr.add_metrics(plan, full=full)
     m = plan.resolve()
     if full and mm is not None:
-        m.update(mismatch_quantiles(mm, DEFAULT_QUANTILES))
+        m.update(as_metrics(mismatch_quantiles(mm, DEFAULT_QUANTILES)))
     return m

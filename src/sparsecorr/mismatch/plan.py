@@ -115,10 +115,14 @@ class MetricPlan:
             self._local_exact.add(name)
 
     def value(self, name: str, x: torch.Tensor) -> None:
-        """A metric computed elsewhere, passed through."""
+        """A metric computed elsewhere, passed through (as a detached 0-d float32 tensor)."""
+        if x.requires_grad or x.dtype != torch.float32 or x.dim():
+            x = x.detach().float().reshape(())
         self._values[name] = x
 
     def resolve(self, group: object | None = None) -> dict[str, torch.Tensor]:
+        """Every metric as a detached 0-d float32 tensor (``as_metrics`` would return them as
+        they are)."""
         out: dict[str, torch.Tensor] = {}
         n = len(self._sums)
         local = full = None
@@ -137,10 +141,11 @@ class MetricPlan:
             out.update(zip((r[0] for r in self._ratios), vals))
         extremes = self._extremes
         if group is None and self._local_exact:
-            out.update((e[0], e[1]) for e in extremes if e[0] in self._local_exact)
+            out.update((e[0], e[1].detach() if e[1].requires_grad else e[1])
+                       for e in extremes if e[0] in self._local_exact)
             extremes = [e for e in extremes if e[0] not in self._local_exact]
         if extremes:
-            ext = torch.stack([x for _, x, *_ in extremes])
+            ext = torch.stack([x for _, x, *_ in extremes]).detach()
             spec = tuple((e, sign, fill) for _, _, e, sign, fill in extremes)
             idx, signs, fills = _extreme_tables(spec, n, ext.device)
             if group is not None:  # a shard without tokens must not move the others' extremes

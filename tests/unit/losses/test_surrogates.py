@@ -4,6 +4,7 @@ gradient), and the KL penalty's bias correction multiplies k3 by the PPO ratio."
 import pytest
 import torch
 
+from sparsecorr.correction import sparse_rl
 from sparsecorr.losses import CISPO, GSPO, SAPO, SURROGATES, KLPenalty, PPOClip, sparse_grpo
 
 
@@ -97,3 +98,17 @@ def test_gspo_bias_corrected_kl_uses_the_sequence_ratio():
     want.backward()
     torch.testing.assert_close(out.loss, want)
     torch.testing.assert_close(lp.grad, torch.where(mask, lp2.grad, 0.0))
+
+
+@pytest.mark.parametrize("surrogate", sorted(SURROGATES))
+@pytest.mark.parametrize("metrics", ["default", "full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_metric_is_a_detached_0d_float32(surrogate, metrics, dtype):
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(3, 5, generator=g)
+    logp = (old + 0.1 * torch.randn(3, 5, generator=g)).to(dtype).requires_grad_()
+    out = sparse_grpo(logp, old, torch.tensor([1.0, -1.0, 0.5]), torch.ones(3, 5, dtype=torch.bool),
+                      rollout_logp=old - 0.05, correction=sparse_rl(), surrogate=surrogate,
+                      ref_logp=old, kl=0.01, metrics=metrics)
+    for name, v in out.metrics.items():
+        assert v.dtype == torch.float32 and v.dim() == 0 and not v.requires_grad, name
