@@ -177,16 +177,39 @@ def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
             lambda: (count_int(row_any(bad)), 1.0, 0.0))
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _learner_raw(logp: torch.Tensor, old_logp: torch.Tensor, own: Mismatch | None,
+                 weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 ``logp - old_logp`` (detached) and a spare ``[B, T]`` float32 buffer or None.
+    With ``own``, a record this call built and has finished reading, both are its buffers
+    (``Mismatch.take_buffers``): two fresh ``[B, T]`` buffers fewer, whose first writes cost
+    as much as the arithmetic on the CPU. Not when the correction's weights live in one of
+    them (a hand-made correction may return ``mm.valid_f`` itself)."""
+    lp, old = logp.detach(), old_logp.detach()
+    if own is None or lp.dtype != torch.float32 or old.dtype != torch.float32:
+        return lp.float() - old.float(), None
+    if weights is not None and _shares_memory(weights, own.log_ratio):
+        return lp - old, None
+    a, b = own.take_buffers()
+    if weights is not None and b is not None and _shares_memory(weights, b):
+        b = None
+    return torch.sub(lp, old, out=a), b
+
+
 def _learner_side(raw: torch.Tensor, base: torch.Tensor, ref_logp: torch.Tensor | None,
-                  advantages: torch.Tensor):
+                  advantages: torch.Tensor, buf: torch.Tensor | None = None):
     """The loss's tokens from ``base``: those with a finite ``raw = logp - old_logp`` (and
     ``ref_logp``) and a finite advantage. Returns ``kept``, its float mask, ``raw`` in place as
     the log-ratio (0 off ``kept``), the log-ratio's sum or None, and ``_advantages``' outputs.
+    ``buf``: a free float32 buffer of ``raw``'s shape for the float mask (else a fresh one).
     On the CPU ``raw`` is masked first (a NaN or ±inf stays non-finite) and summed once: a
     finite sum means nothing to drop, and it is the kept tokens' sum the PPO metric reads."""
     lr_sum = None
     if raw.device.type == "cpu" and raw.shape == base.shape:
-        kept_f = float_into_(torch.empty_like(raw), base)
+        kept_f = float_into_(torch.empty_like(raw) if buf is None else buf, base)
         total = raw.mul_(kept_f).sum()
         kept = base if math.isfinite(total.item()) else finite_in(raw, base)
         lr_sum = total if kept is base else None
@@ -287,11 +310,17 @@ def sparse_grpo(
         mm.expect_ratio_m1()  # the k3 metric reads rho - 1: the weights are built from it too
     corr = _correction(correction, mm, advantages, logp)
     base = _base_mask(corr, mm, mask)
+    plan = None if metrics == "none" else MetricPlan()
     with torch.no_grad():
-        # the learner side: logp - old_logp must be finite (covers old_logp without a record)
+        if plan is not None:  # the record's and the correction's metrics first: they read its buffers
+            _record_metrics(plan, mm, corr, full=metrics == "full")
+        # the learner side: logp - old_logp must be finite (covers old_logp without a record);
+        # in the record's own buffers when this call built it and no one reads it any more
+        own = mm if mismatch is None and metrics != "full" else None
+        raw, buf = _learner_raw(logp, old_logp, own, None if corr is None else corr.token_weights)
         use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
         kept, kept_f, lr, lr_sum, adv, bad_adv = _learner_side(
-            logp.detach().float() - old_logp.detach().float(), base, ref_logp if use_ref else None, advantages)
+            raw, base, ref_logp if use_ref else None, advantages, buf)
         # float32, or int64 (promoted where it meets a float); the correction counted its mask
         n = corr.tokens if corr is not None and kept is corr.mask else count_float(kept_f, kept)
         neg_adv = adv.neg() if corr is None or corr.scale is None else adv * -corr.scale.reshape(())
@@ -323,7 +352,7 @@ def sparse_grpo(
     if metrics == "none":
         return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=kept)
     with torch.no_grad():
-        m = _metrics(out, mm=mm, corr=corr, kept=kept, n=n, base=base, bad_adv=bad_adv, k3=k3,
+        m = _metrics(plan, out, mm=mm, corr=corr, kept=kept, n=n, base=base, bad_adv=bad_adv, k3=k3,
                      agg=agg, full=metrics == "full")
         m["loss/pg_loss"] = pg_loss
         m["loss/loss"] = loss.detach()
@@ -342,10 +371,21 @@ def _base_mask(corr: Correction | None, mm: Mismatch | None, mask: torch.Tensor)
     return corr.mask if same else corr.mask & mm.valid
 
 
-def _metrics(out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
-    """Every stage's metrics on one ``MetricPlan``: the loss's per-kept-token means and counts,
-    the record's and the correction's, resolved together in a few batched ops."""
-    plan = MetricPlan()
+def _record_metrics(plan: MetricPlan, mm: Mismatch | None, corr: Correction | None, *,
+                    full: bool) -> None:
+    """The record's and the correction's metrics, registered before the learner side (which
+    may reuse the record's buffers)."""
+    if mm is not None:
+        plan.ratio("loss/nonfinite_rollout", plan.difference(mm.input_count, mm.valid_count))
+        add_mismatch_metrics(plan, mm, full=full)
+    if corr is not None:
+        corr.add_metrics(plan, full=full)
+
+
+def _metrics(plan: MetricPlan, out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
+    """Every stage's metrics on one ``MetricPlan`` (the record's and the correction's already
+    registered): the loss's per-kept-token means and counts, resolved together in a few
+    batched ops."""
     k_n = plan.add(n)
     sums = out.sums()
     if k3 is not None:
@@ -369,11 +409,6 @@ def _metrics(out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
     fallback = agg.normalizer_fallback()
     if fallback is not None:
         plan.value("loss/normalizer_fallback", fallback)
-    if mm is not None:
-        plan.ratio("loss/nonfinite_rollout", plan.difference(mm.input_count, mm.valid_count))
-        add_mismatch_metrics(plan, mm, full=full)
-    if corr is not None:
-        corr.add_metrics(plan, full=full)
     m = plan.resolve()
     if full and mm is not None:
         m.update(as_metrics(mismatch_quantiles(mm, DEFAULT_QUANTILES)))

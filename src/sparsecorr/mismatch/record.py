@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,7 @@ __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
 LOG_RATIO_CLAMP = 20.0
 
 _EXPECT_M1 = "_expect_ratio_m1"  # cache key: a consumer will read ratio_m1
+_TAKEN = "_buffers_taken"  # cache key: take_buffers() handed the [B, T] buffers over
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +104,9 @@ class Mismatch:
 
     def _cached(self, key: str, compute) -> torch.Tensor:
         if key not in self.cache:
+            if _TAKEN in self.cache:
+                raise RuntimeError(f"Mismatch.{key}: the record's buffers were handed over "
+                                   "(take_buffers); read it before that")
             self.cache[key] = compute()
         return self.cache[key]
 
@@ -117,9 +122,13 @@ class Mismatch:
         return torch.expm1(self.log_ratio, out=self._take_spare())
 
     def _take_spare(self) -> torch.Tensor | None:
-        # the buffer measure() kept the float valid mask in: that cached mask goes with it
-        spare = self.cache.pop("_spare", None)
-        if spare is not None and self.cache.get("valid_f") is spare:
+        # the buffer measure() kept the float valid mask in: that cached mask goes with it,
+        # unless someone else holds it (a correction's weights, a caller's reference, a view)
+        if not _cache_only(self.cache, "_spare"):
+            self.cache.pop("_spare", None)
+            return None
+        spare = self.cache.pop("_spare")
+        if self.cache.get("valid_f") is spare:
             del self.cache["valid_f"]
         return spare
 
@@ -154,6 +163,21 @@ class Mismatch:
             return self.cache["ratio"].clone()
         return exp_into(self.log_ratio)
 
+    def take_buffers(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        r"""Hand over the record's float32 ``[B, T]`` buffers: the log-ratio and the spare one
+        ``measure`` made (holding the float valid mask, \(\rho\) or \(\rho - 1\), or None),
+        for the code that built the record and has read everything it needs from it
+        (``sparse_grpo``, which writes the learner side into them instead of two fresh
+        buffers). The record must not be read afterwards."""
+        keys = ("ratio_m1", "ratio", "_spare", "valid_f")
+        free = [k for k in keys if _cache_only(self.cache, k)]  # before any local reference
+        spare = next((self.cache[k] for k in free if self.cache[k].shape == self.shape
+                      and self.cache[k].dtype == torch.float32), None)
+        for key in keys:
+            self.cache.pop(key, None)
+        self.cache[_TAKEN] = None  # what is not cached yet cannot be computed any more
+        return self.log_ratio, spare
+
     @property
     def log_ratio_sum(self) -> torch.Tensor:
         r"""0-d float32 \(\sum_t \ell_t\) over the valid tokens (cached)."""
@@ -167,8 +191,10 @@ class Mismatch:
 
     @property
     def valid_f(self) -> torch.Tensor:
-        """float32 ``valid`` (1/0), to multiply by (cached; ``TIS`` and ``SparseRL`` read it;
-        ``measure``'s copy lives until ``ratio_m1`` takes its buffer)."""
+        r"""float32 ``valid`` (1/0), to multiply by (cached; ``TIS`` and ``SparseRL`` read it).
+        ``measure``'s buffer is reused for \(\rho\) or \(\rho - 1\) once they are computed,
+        but only while the record alone holds it: a reference or a view kept elsewhere keeps
+        it intact."""
         return self._cached("valid_f", lambda: as_float(self.valid))
 
     @property
@@ -315,6 +341,20 @@ def _host_fast_path(raw: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Te
     n = count_float(mask_f, mask)
     return {"_spare": mask_f, "valid_f": mask_f, "valid_count": n, "input_count": n,
             "log_ratio_extremes": (lo, hi)}
+
+
+def _cache_only(cache: dict, key: str) -> bool:
+    """Whether the tensor ``cache[key]`` is held by ``cache``'s entries alone: no other
+    reference to it (a correction's weights, a caller's variable) and no other tensor on its
+    storage (a view). Only such a buffer may be overwritten. Without torch's storage use count
+    (a private API, present in the pinned 2.13), never."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    t = cache.get(key)
+    if use_count is None or not isinstance(t, torch.Tensor):
+        return False
+    entries = sum(1 for v in cache.values() if v is t)
+    # + this frame's name and getrefcount's argument; the storage: t's and the temporary's
+    return sys.getrefcount(t) <= entries + 2 and use_count(t.untyped_storage()._cdata) <= 2
 
 
 def _extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -89,3 +89,14 @@ def test_weight_ratio_within_one_ulp_of_exp_and_zero_off_the_mask(expect_m1):
     a, b = mm.ratio_copy(), mm.ratio_copy()  # the same rule every call, the record unchanged
     assert torch.equal(a, b) and a is not b
     torch.testing.assert_close(a, want, rtol=1.2e-7, atol=0.0)
+
+
+def test_a_held_float_mask_is_never_overwritten_by_the_ratio():
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(3, 9, generator=g)
+    mask = torch.rand(3, 9, generator=g) > 0.3
+    mm = measure(old, old - 0.2, mask)
+    kept = mm.valid_f  # measure's buffer, which rho - 1 would otherwise reuse
+    view = mm.valid_f.view(-1)
+    _ = mm.ratio_m1, mm.ratio_copy()
+    assert torch.equal(kept, mask.float()) and torch.equal(view, mask.float().view(-1))
