@@ -23,7 +23,6 @@ whose advantage is, leaves the loss and is counted (``loss/nonfinite_tokens``,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -38,13 +37,8 @@ from .._checks import (
     check_number,
     check_same_shape,
     count,
-    count_int,
-    finite,
-    finite_in,
-    finite_in_scratch,
-    host_all_finite,
 )
-from .._masks import and_rows, count_float, count_rows, float_into_, row_any
+from .._masks import count_float, count_rows
 from ..correction import Correction
 from ..mismatch import (
     LOG_RATIO_CLAMP,
@@ -57,6 +51,7 @@ from ..mismatch import (
 )
 from ..mismatch.summary import DEFAULT_QUANTILES
 from .aggregation import Aggregation, scaled_sum
+from .learner import learner_raw, learner_side
 from .output import LossOutput
 from .ppo import SurrogateInputs
 from .surrogate import SURROGATES
@@ -158,73 +153,6 @@ def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction
     return corr
 
 
-def _advantages(advantages: torch.Tensor, kept: torch.Tensor):
-    """Float32 advantages (``[B, 1]`` or ``[B, T]``), 0 where non-finite; kept minus those
-    rows / tokens (a new mask: ``kept`` may be the caller's); a function giving ``(count,
-    coef, offset)`` of the rows with a non-finite advantage (``offset + coef * count``)."""
-    adv = advantages.detach().float()
-    if adv.dim() == 1 or adv.shape[1] == 1:
-        adv = adv.reshape(-1, 1)
-    if host_all_finite(adv):
-        # nothing to count: a zero all the same (a metric plan's layout must not depend on the data)
-        return adv, kept, lambda: (torch.zeros((), device=adv.device), 1.0, 0.0)
-    ok = finite(adv)
-    if adv.shape[1] == 1:
-        return (adv.nan_to_num(0.0, 0.0, 0.0), and_rows(kept, ok.reshape(-1)),
-                lambda: (count_int(ok), -1.0, float(ok.shape[0])))  # B - finite rows
-    bad = kept & ~ok
-    return (adv.nan_to_num(0.0, 0.0, 0.0), kept & ok,
-            lambda: (count_int(row_any(bad)), 1.0, 0.0))
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _learner_raw(logp: torch.Tensor, old_logp: torch.Tensor, own: Mismatch | None,
-                 weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float32 ``logp - old_logp`` (detached) and a spare ``[B, T]`` float32 buffer or None.
-    With ``own``, a record this call built and has finished reading, both are its buffers
-    (``Mismatch.take_buffers``): two fresh ``[B, T]`` buffers fewer, whose first writes cost
-    as much as the arithmetic on the CPU. Not when the correction's weights live in one of
-    them (a hand-made correction may return ``mm.valid_f`` itself)."""
-    lp, old = logp.detach(), old_logp.detach()
-    if own is None or lp.dtype != torch.float32 or old.dtype != torch.float32:
-        return lp.float() - old.float(), None
-    if weights is not None and _shares_memory(weights, own.log_ratio):
-        return lp - old, None
-    a, b = own.take_buffers()
-    if weights is not None and b is not None and _shares_memory(weights, b):
-        b = None
-    return torch.sub(lp, old, out=a), b
-
-
-def _learner_side(raw: torch.Tensor, base: torch.Tensor, ref_logp: torch.Tensor | None,
-                  advantages: torch.Tensor, buf: torch.Tensor | None = None):
-    """The loss's tokens from ``base``: those with a finite ``raw = logp - old_logp`` (and
-    ``ref_logp``) and a finite advantage. Returns ``kept``, its float mask, ``raw`` in place as
-    the log-ratio (0 off ``kept``), the log-ratio's sum or None, and ``_advantages``' outputs.
-    ``buf``: a free float32 buffer of ``raw``'s shape for the float mask (else a fresh one).
-    On the CPU ``raw`` is masked first (a NaN or ±inf stays non-finite) and summed once: a
-    finite sum means nothing to drop, and it is the kept tokens' sum the PPO metric reads."""
-    lr_sum = None
-    if raw.device.type == "cpu" and raw.shape == base.shape:
-        kept_f = float_into_(torch.empty_like(raw) if buf is None else buf, base)
-        total = raw.mul_(kept_f).sum()
-        kept = base if math.isfinite(total.item()) else finite_in(raw, base)
-        lr_sum = total if kept is base else None
-    else:
-        kept, kept_f = finite_in_scratch(raw, base)  # the buffer is filled below
-    if ref_logp is not None:
-        kept = finite_in(ref_logp, kept)
-    adv, kept, bad_adv = _advantages(advantages, kept)
-    if kept is not base or lr_sum is None:  # something dropped, or no host test: mask again
-        float_into_(kept_f, kept)
-        raw.nan_to_num_(0.0, 0.0, 0.0).mul_(kept_f)
-        lr_sum = None
-    return kept, kept_f, raw, lr_sum, adv, bad_adv
-
-
 def sparse_grpo(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -317,9 +245,9 @@ def sparse_grpo(
         # the learner side: logp - old_logp must be finite (covers old_logp without a record);
         # in the record's own buffers when this call built it and no one reads it any more
         own = mm if mismatch is None and metrics != "full" else None
-        raw, buf = _learner_raw(logp, old_logp, own, None if corr is None else corr.token_weights)
+        raw, buf = learner_raw(logp, old_logp, own, None if corr is None else corr.token_weights)
         use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
-        kept, kept_f, lr, lr_sum, adv, bad_adv = _learner_side(
+        kept, kept_f, lr, lr_sum, adv, bad_adv = learner_side(
             raw, base, ref_logp if use_ref else None, advantages, buf)
         # float32, or int64 (promoted where it meets a float); the correction counted its mask
         n = corr.tokens if corr is not None and kept is corr.mask else count_float(kept_f, kept)
