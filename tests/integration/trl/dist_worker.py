@@ -67,6 +67,11 @@ def main(out: str, loss_type: str, global_batch: int) -> None:
                                                         "rows": run.rows}))
         save_file({k: v.contiguous() for k, v in run.params.items()},
                   str(Path(out) / "params.safetensors"))
+    # an orderly teardown: a rank that exits while gloo's threads still run on the other side
+    # can abort in C++ ("terminate called without an active exception", seen once in CI)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        state.wait_for_everyone()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
