@@ -343,18 +343,29 @@ def _host_fast_path(raw: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Te
             "log_ratio_extremes": (lo, hi)}
 
 
+def _holders(cache: dict, key: str) -> tuple[int, int]:
+    """References to the tensor ``cache[key]`` beyond ``cache``'s own entries, and the number
+    of tensors on its storage (as this interpreter and torch count them)."""
+    t = cache[key]
+    entries = sum(1 for v in cache.values() if v is t)
+    return sys.getrefcount(t) - entries, _USE_COUNT(t.untyped_storage()._cdata)
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+# the counts of a tensor held by a cache alone, measured once the same way (Python versions
+# count a frame's references differently; torch's count includes the temporary storage object)
+_ALONE = _holders({"t": torch.empty(1)}, "t") if _USE_COUNT is not None else None
+
+
 def _cache_only(cache: dict, key: str) -> bool:
     """Whether the tensor ``cache[key]`` is held by ``cache``'s entries alone: no other
     reference to it (a correction's weights, a caller's variable) and no other tensor on its
     storage (a view). Only such a buffer may be overwritten. Without torch's storage use count
     (a private API, present in the pinned 2.13), never."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    t = cache.get(key)
-    if use_count is None or not isinstance(t, torch.Tensor):
+    if _ALONE is None or not isinstance(cache.get(key), torch.Tensor):
         return False
-    entries = sum(1 for v in cache.values() if v is t)
-    # + this frame's name and getrefcount's argument; the storage: t's and the temporary's
-    return sys.getrefcount(t) <= entries + 2 and use_count(t.untyped_storage()._cdata) <= 2
+    refs, tensors = _holders(cache, key)
+    return refs <= _ALONE[0] and tensors <= _ALONE[1]
 
 
 def _extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
