@@ -43,16 +43,15 @@ def learner_raw(logp: torch.Tensor, old_logp: torch.Tensor, own: Mismatch | None
     """float32 ``logp - old_logp`` (detached) and a spare ``[B, T]`` float32 buffer or None.
     With ``own``, a record this call built and has finished reading, both are its buffers
     (``Mismatch.take_buffers``): two fresh ``[B, T]`` buffers fewer, whose first writes cost
-    as much as the arithmetic on the CPU. Not when the correction's weights live in one of
-    them (a hand-made correction may return ``mm.valid_f`` itself)."""
+    as much as the arithmetic on the CPU. Not when the correction's weights live in the
+    log-ratio's storage; the spare is never one that anything else holds (``take_buffers``
+    checks it: a hand-made correction may return ``mm.valid_f`` itself)."""
     lp, old = logp.detach(), old_logp.detach()
     if own is None or lp.dtype != torch.float32 or old.dtype != torch.float32:
         return lp.float() - old.float(), None
     if weights is not None and _shares_memory(weights, own.log_ratio):
         return lp - old, None
     a, b = own.take_buffers()
-    if weights is not None and b is not None and _shares_memory(weights, b):
-        b = None
     return torch.sub(lp, old, out=a), b
 
 

@@ -80,8 +80,8 @@ class Mismatch:
     (``[B]`` bool: rows with a valid / masked-in token). The IS weights read \(\rho_t\) through
     ``ratio_times`` / ``ratio_copy``: from ``ratio_m1`` when it is computed or expected
     (``expect_ratio_m1``, which ``sparse_grpo`` calls when it reports the k3 metric: one
-    transcendental pass for both), else from ``exp`` (a third cheaper on the CPU); the two agree
-    to one float32 ulp and every correction of a record takes the same one.
+    transcendental pass for both), else from ``_fastexp.exp_into`` (3x cheaper on the CPU); the
+    two agree to a few float32 ulp and every correction of a record takes the same one.
 
     Shapes:
         log_ratio, valid, mask, old_logp, rollout_logp, acceptance: ``[B, T]``.
@@ -168,7 +168,8 @@ class Mismatch:
         ``measure`` made (holding the float valid mask, \(\rho\) or \(\rho - 1\), or None),
         for the code that built the record and has read everything it needs from it
         (``sparse_grpo``, which writes the learner side into them instead of two fresh
-        buffers). The record must not be read afterwards."""
+        buffers). The spare is only one that the record's cache alone holds (no caller's
+        reference, no correction's weights, no view). The record must not be read afterwards."""
         keys = ("ratio_m1", "ratio", "_spare", "valid_f")
         free = [k for k in keys if _cache_only(self.cache, k)]  # before any local reference
         spare = next((self.cache[k] for k in free if self.cache[k].shape == self.shape
