@@ -4,9 +4,10 @@ Every metric of the loss path is either a ratio of sums over tokens (a mean, a f
 count) or an extreme. Computing each with its own arithmetic costs a few tiny tensor ops per
 metric (each with a fixed dispatch cost that dominates small batches). A plan collects the 0-d
 reductions once (integer counts converted to float32, exact below 2^24), then resolves every
-ratio with one float32 ``stack``, one matrix-vector product (the numerators are linear
-combinations of the sums, the denominators picked by one-hot rows), one division, and every
-extreme with one stack — whatever the number of metrics. With a process group the sums are
+ratio with one float32 ``stack``, one gather of the terms the numerators combine, one
+``index_add_`` forming the numerators, one gather of the denominators and one division (no
+dense product: a zero coefficient times a sum that overflowed to inf would make every metric
+NaN), and every extreme with one stack — whatever the number of metrics. With a process group the sums are
 all-reduced in one collective and the extremes in another, on every rank alike (a rank with an
 empty shard takes part and contributes nothing).
 
@@ -35,19 +36,23 @@ __all__ = ["MetricPlan"]
 
 
 @lru_cache(maxsize=256)
-def _tables(spec: tuple, n_sums: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[2M, K+1]``: the numerators' coefficients over the ``M`` rows, then one-hot rows picking
-    each denominator (one matrix-vector product gives both), and the offsets ``[M]`` of a plan
-    (index ``K`` is the constant 1 appended to the sums)."""
-    m = len(spec)
-    coef = torch.zeros(2 * m, n_sums + 1)
-    off = torch.empty(m)
-    for i, (terms, d, o) in enumerate(spec):
+def _tables(spec: tuple, n_sums: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The numerators' terms of a plan's ``M`` ratios as (sum index, coefficient, ratio index)
+    ``[E]`` each, the denominators' sum indices ``[M]`` and the offsets ``[M]`` (index ``K`` is
+    the constant 1 appended to the sums)."""
+    cols, coefs, rows = [], [], []
+    for i, (terms, _, _) in enumerate(spec):
         for k, c in terms:
-            coef[i, k] = c
-        coef[m + i, n_sums if d is None else d] = 1.0
-        off[i] = o
-    return coef.to(device), off.to(device)
+            cols.append(k)
+            coefs.append(c)
+            rows.append(i)
+    dens = [n_sums if d is None else d for _, d, _ in spec]
+    offs = [o for _, _, o in spec]
+    return (torch.tensor(cols, dtype=torch.long, device=device),
+            torch.tensor(coefs, dtype=torch.float32, device=device),
+            torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(dens, dtype=torch.long, device=device),
+            torch.tensor(offs, dtype=torch.float32, device=device))
 
 
 @lru_cache(maxsize=8)
@@ -135,9 +140,9 @@ class MetricPlan:
                 full[-1] = 1.0  # the constant, summed over the ranks: back to 1
         if self._ratios:
             spec = tuple((terms, den, off) for _, terms, den, off in self._ratios)
-            coef, off = _tables(spec, n, full.device)
-            num, den = (coef @ full).chunk(2)
-            vals = torch.addcdiv(off, num, den.clamp_(min=1e-30)).unbind()
+            cols, coefs, rows, dens, off = _tables(spec, n, full.device)
+            num = torch.zeros_like(off).index_add_(0, rows, full[cols] * coefs)
+            vals = torch.addcdiv(off, num, full[dens].clamp_(min=1e-30)).unbind()
             out.update(zip((r[0] for r in self._ratios), vals))
         extremes = self._extremes
         if group is None and self._local_exact:
