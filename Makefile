@@ -1,42 +1,64 @@
-# Bootstraps everything from a bare Python 3.11: `make test` and `make demo` create .venv,
-# install torch==2.13.0 first (an unpinned torch pulls gigabytes of CUDA wheels), then
-# `-e .[dev]` and the integration packages. A second run skips what is already installed.
+# Bootstraps everything from a bare Python 3.11: `make test` and `make demo` create .venv with
+# exactly the versions in requirements.lock (torch==2.13.0 CPU first: an unpinned torch pulls
+# gigabytes of CUDA wheels), then the three distributions in editable mode. A second run
+# changes nothing. `make lock` re-resolves the lock from the ranges in the pyproject files.
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
+PIP_VERSION := 26.3
 TORCH_VERSION := 2.13.0
-VERL_VERSION := 0.9.1
+# peers of the parity tests, installed without their GPU-only dependencies (the tests load their
+# loss code through tests/openrlhf_shim.py and tests/verl_shim.py)
+PEERS := openrlhf>=0.11,<0.12 verl==0.9.1
+GLUE := integrations/trl integrations/openrlhf
+# the tested transformers range: its ends are tested by `make test-edges` (the same range is in
+# pyproject.toml and src/sparsecorr/decoding/hf.py; tests/unit/test_versions.py checks they agree)
+TRANSFORMERS_RANGE := >=5.15,<6
+TRANSFORMERS_LOWEST := 5.15.0
+export PYTHON PIP_VERSION TORCH_VERSION PEERS GLUE
 STAMP := $(VENV)/.sparsecorr-installed
-INSTALL_INPUTS := pyproject.toml $(wildcard integrations/*/pyproject.toml) Makefile
+INSTALL_INPUTS := requirements.lock pyproject.toml $(wildcard integrations/*/pyproject.toml) \
+  scripts/lock.sh Makefile
 PYTEST_ARGS ?=
+# what the range tests run: the decoding engine, and (newest only) the TRL sparse rollouts + demo
+EDGE_DECODING := tests/unit/decoding tests/property/decoding
+EDGE_NEWEST := $(EDGE_DECODING) tests/integration/trl/test_sparse_rollouts.py \
+  tests/integration/test_demo.py
 
-.PHONY: venv test test-all test-gpu demo docs lint bench dist clean
+.PHONY: venv lock test test-all test-gpu test-edges test-newest test-lowest demo docs lint bench dist clean
 
 venv: $(STAMP)
 
-$(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-
-$(STAMP): $(BIN)/python $(INSTALL_INPUTS)
-	@$(BIN)/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
-	  || $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,plot]"
-	@# peers for the parity tests: TRL 1.16 (CPU-installable, a requirement of the TRL glue),
-	@# OpenRLHF 0.11 and verl 0.9.1 without their GPU-only dependencies (the tests load their
-	@# loss code through tests/openrlhf_shim.py and tests/verl_shim.py)
-	$(BIN)/python -m pip install --quiet --no-deps "openrlhf>=0.11,<0.12" "verl==$(VERL_VERSION)"
-	@# the glue distributions, editable; the TRL glue provides `sparsecorr demo` (entry point)
-	$(BIN)/python -m pip install --quiet -e "integrations/trl[demo]" -e integrations/openrlhf
-	@$(BIN)/python -c "import torch; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
+$(STAMP): $(INSTALL_INPUTS)
+	scripts/lock.sh install $(VENV)
 	@touch $(STAMP)
+
+lock:
+	scripts/lock.sh refresh
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# both ends of the tested transformers range, each in its own venv made from the lock; a failure
+# names the package and version that broke us
+test-edges: test-newest test-lowest
+
+test-newest: $(STAMP)
+	@scripts/lock.sh edge .venv-newest "transformers$(TRANSFORMERS_RANGE)"
+	@.venv-newest/bin/python -m pytest -q -m "not gpu" $(EDGE_NEWEST) $(PYTEST_ARGS) || { \
+	  echo "UPSTREAM BREAK: the tests above fail with transformers==$$(.venv-newest/bin/python -c \
+	  'import transformers; print(transformers.__version__)') (the newest release in $(TRANSFORMERS_RANGE));" \
+	  "the locked environment has transformers==$$(grep -i '^transformers==' requirements.lock | cut -d= -f3)"; exit 1; }
+
+test-lowest: $(STAMP)
+	@scripts/lock.sh edge .venv-lowest "transformers==$(TRANSFORMERS_LOWEST)"
+	@.venv-lowest/bin/python -m pytest -q -m "not gpu" $(EDGE_DECODING) $(PYTEST_ARGS) || { \
+	  echo "UPSTREAM BREAK: the decoding tests fail with transformers==$(TRANSFORMERS_LOWEST)," \
+	  "the lowest version in $(TRANSFORMERS_RANGE)"; exit 1; }
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
@@ -61,4 +83,4 @@ dist: $(STAMP)
 	@ls -1 dist
 
 clean:
-	rm -rf $(VENV) site build dist .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-newest .venv-lowest site build dist .pytest_cache .hypothesis

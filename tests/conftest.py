@@ -27,6 +27,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """The versions that matter at the seams, so a failure log names what it ran against."""
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    names = ("torch", "transformers", "trl", "peft", "verl", "openrlhf")
+    return "versions: " + ", ".join(f"{n}=={version(n)}" for n in names)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
