@@ -66,7 +66,9 @@ case "${1:-}" in
     venv=$2; shift 2
     new_venv "$venv"
     pip_in "$venv" --no-deps -r "$LOCK"
-    pip_in "$venv" --upgrade "$@"          # the spec and whatever it needs, from the index
+    # the spec and whatever it needs, from the index; pip's complaints about the peers' GPU-only
+    # dependencies (installed --no-deps on purpose) are kept in a log, shown only on failure
+    pip_in "$venv" --upgrade "$@" 2>"$venv/edge-pip.log" || { cat "$venv/edge-pip.log" >&2; exit 1; }
     editables "$venv"
     "$venv/bin/python" -m pip freeze | grep -iE '^(transformers|tokenizers|huggingface.hub|trl)==' \
       | tr '\n' ' '; echo;;
