@@ -28,7 +28,7 @@ $(STAMP): $(BIN)/python $(INSTALL_INPUTS)
 	@# loss code through tests/openrlhf_shim.py and tests/verl_shim.py)
 	$(BIN)/python -m pip install --quiet --no-deps "openrlhf>=0.11,<0.12" "verl==$(VERL_VERSION)"
 	@# the glue distributions, editable; the TRL glue provides `sparsecorr demo` (entry point)
-	$(BIN)/python -m pip install --quiet -e "integrations/trl[demo]" -e integrations/openrlhf
+	$(BIN)/python -m pip install --quiet -e "integrations/trl[demo]" -e integrations/openrlhf -e "integrations/verl[cpu-test]"
 	@$(BIN)/python -c "import torch; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	@touch $(STAMP)
 
@@ -56,7 +56,7 @@ bench: $(STAMP)
 # sdist + wheel of the three distributions into dist/ (what a release uploads)
 dist: $(STAMP)
 	rm -rf dist
-	@for d in . integrations/trl integrations/openrlhf; do \
+	@for d in . integrations/trl integrations/openrlhf integrations/verl; do \
 	  $(BIN)/python -m build --outdir dist $$d >/dev/null || exit 1; done
 	@ls -1 dist
 

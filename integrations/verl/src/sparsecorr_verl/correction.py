@@ -19,6 +19,8 @@ with ``.get``), so the extra key needs no fork; on the command line it is a new 
   a batch key (a sparse rollout server's exact \(\alpha_t\)), or ``sampled`` for the one-sample
   estimate \(\min(1, \pi_\text{old}/\pi_\text{rollout})\) of the sampled token (its
   expectation under the sampler is \(\alpha_t = \sum_v \min(p, q)\)); default none;
+- ``batch_normalize: true``: wrap the whole correction in `batch_normalized` (mean kept weight
+  1 over the batch; the driver holds the whole batch, so no process group is needed);
 - ``quantiles`` (default ``[0.01, 0.05, 0.5]``), ``bin_size`` (default 2000 positions, as
   Sparrow) and ``n_bins`` (default 16): the log-ratio (and acceptance) quantiles, overall and
   per bin of absolute position (prompt length + response position).
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-from sparsecorr.correction import CorrectionFn, chain, get_preset
+from sparsecorr.correction import CorrectionFn, batch_normalized, chain, get_preset
 from sparsecorr.mismatch import (
     MetricPlan,
     add_mismatch_metrics,
@@ -50,7 +52,7 @@ from sparsecorr.mismatch import (
 __all__ = ["SPEC_KEY", "DriverSpec", "correction_from_spec", "driver_spec", "rollout_correction"]
 
 SPEC_KEY = "sparsecorr"
-_OPTIONS = ("acceptance", "quantiles", "bin_size", "n_bins")
+_OPTIONS = ("acceptance", "quantiles", "bin_size", "n_bins", "batch_normalize")
 # verl's own correction keys: set together with a sparsecorr spec they would correct twice
 _VERL_KEYS = ("rollout_is", "rollout_rs")
 
@@ -136,7 +138,15 @@ def driver_spec(rollout_corr_config: Any) -> DriverSpec | None:
     acc = spec.get("acceptance", None)
     if acc is not None and not isinstance(acc, str):
         raise ValueError(f"{SPEC_KEY}.acceptance: expected a batch key or 'sampled', got {acc!r}")
-    return DriverSpec(correction=correction_from_spec(spec), acceptance=acc, quantiles=qs,
+    correction = correction_from_spec(spec)
+    normalize = spec.get("batch_normalize", False)
+    if not isinstance(normalize, bool):
+        raise ValueError(f"{SPEC_KEY}.batch_normalize: expected true or false, got {normalize!r}")
+    if normalize:
+        if correction is None:
+            raise ValueError(f"{SPEC_KEY}.batch_normalize: expected a correction to normalise, got preset 'none'")
+        correction = batch_normalized(correction)
+    return DriverSpec(correction=correction, acceptance=acc, quantiles=qs,
                       bin_size=bin_size, n_bins=n_bins)
 
 
