@@ -219,30 +219,48 @@ def test_tail_rejection_with_sampled_acceptance(verl, plugin):
     assert "mismatch/acceptance_q05_bin0" in metrics and "mismatch/bin3_tokens" in metrics
 
 
+def _count_host_reads_from_the_glue(monkeypatch) -> dict[str, int]:
+    """Count the tensor-to-host reads (``item``, ``tolist``, ``bool``, ``float``, ``int``)
+    called from sparsecorr_verl's own files (the core library's CPU-only shortcuts, which it
+    skips off the CPU, are not the glue's)."""
+    import sys
+
+    calls: dict[str, int] = {}
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            if "sparsecorr_verl" in sys._getframe(1).f_code.co_filename:
+                calls[_name] = calls.get(_name, 0) + 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    return calls
+
+
 def test_metrics_leave_the_device_in_one_transfer(verl, plugin, monkeypatch):
-    """Every metric of a step (moments, quantiles, per-bin quantiles) is read back by one
-    ``tolist`` of one stacked tensor, never ``.item()`` per metric."""
-    import sparsecorr_verl.correction as corr_mod
-
+    """A step's driver-side correction reads its metrics (moments, quantiles, per-bin
+    quantiles: dozens) back with one ``tolist`` of one stacked tensor, never per metric."""
     old, rollout, _, mask, _ = _batch(7)
-    calls = {"tolist": 0, "item": 0}
-    real_tolist, real_item = torch.Tensor.tolist, torch.Tensor.item
-    original_to_host = corr_mod.to_host
-
-    def to_host(metrics):
-        monkeypatch.setattr(torch.Tensor, "tolist", lambda s: (calls.__setitem__("tolist", calls["tolist"] + 1), real_tolist(s))[1])
-        monkeypatch.setattr(torch.Tensor, "item", lambda s: (calls.__setitem__("item", calls["item"] + 1), real_item(s))[1])
-        try:
-            return original_to_host(metrics)
-        finally:
-            monkeypatch.setattr(torch.Tensor, "tolist", real_tolist)
-            monkeypatch.setattr(torch.Tensor, "item", real_item)
-
-    monkeypatch.setattr(corr_mod, "to_host", to_host)
-    _, metrics = _run_verl_call_site(_data_proto(old, rollout, mask),
-                                     _rollout_corr_config({"preset": "sparse_rl"}))
-    assert calls == {"tolist": 1, "item": 0}
+    batch, cfg = _data_proto(old, rollout, mask), _rollout_corr_config({"preset": "sparse_rl"})
+    calls = _count_host_reads_from_the_glue(monkeypatch)
+    _, metrics = _run_verl_call_site(batch, cfg)
+    monkeypatch.undo()
+    assert calls == {"tolist": 1}
     assert len(metrics) > 30
+
+
+def test_policy_loss_reads_nothing_back(verl, plugin, monkeypatch):
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    old, _, logp, mask, adv = _batch(9)
+    fn, cfg = get_policy_loss_fn("sparsecorr"), _actor_config()
+    calls = _count_host_reads_from_the_glue(monkeypatch)
+    _, metrics = fn(old, logp, adv, mask, loss_agg_mode="seq-mean-token-mean", config=cfg,
+                       rollout_is_weights=torch.ones_like(old))
+    monkeypatch.undo()
+    assert calls == {}
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in metrics.values())
 
 
 # -- ppo_loss end to end ------------------------------------------------------------------------

@@ -53,7 +53,8 @@ def aggregation_for(loss_agg_mode: str, global_batch_info: dict | None = None) -
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode: expected one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
     info = dict(global_batch_info or {})
-    dp = _value(info, "dp_size") or 1
+    dp = _value(info, "dp_size")
+    dp = 1 if dp is None else dp
     if loss_agg_mode == "token-sum":  # verl: masked_sum * dp_size
         return Aggregation("token-mean", num_tokens=1.0 / dp)
     if loss_agg_mode == "token-mean":

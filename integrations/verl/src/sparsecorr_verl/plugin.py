@@ -12,7 +12,15 @@ module never fails quietly:
   wrapper only acts when ``algorithm.rollout_correction.sparsecorr`` is set; `uninstall`
   restores verl's function.
 
-Set ``SPARSECORR_VERL_STRICT=1`` to make the import raise on a version difference too.
+Set ``SPARSECORR_VERL_STRICT=1`` to make the import raise on a version difference too, and
+``SPARSECORR_VERL_NO_AUTOLOAD=1`` to import this module without installing (then call
+`install` yourself).
+
+Modules that bind verl's function by name (``from ... import
+compute_rollout_correction_and_add_to_batch``, verl's v1 trainer) get the wrapper when they are
+imported after the plugin (verl loads plugins at ``import verl``, before any trainer module);
+one already imported is patched too. verl's main trainer (``ray_trainer.py``) imports the
+function inside ``fit`` on every step, so it always sees the module attribute.
 """
 
 from __future__ import annotations
