@@ -67,6 +67,11 @@ def test_wheels_install_in_a_fresh_venv_and_the_demo_runs_outside_the_tree(tmp_p
 
     work = tmp_path / "elsewhere"  # outside the source tree: nothing is read from the checkout
     work.mkdir()
+    plugin = _run([py, "-c", "from importlib.metadata import entry_points; "
+                   "print([e.value for e in entry_points(group='verl.plugins')])"], cwd=work, env=env)
+    assert "sparsecorr_verl.plugin" in plugin
+    helped = _run([py, "-m", "sparsecorr_verl.main_ppo", "--help"], cwd=work, env=env)
+    assert "loss_mode=sparsecorr" in helped
     out = _run([str(venv / "bin" / "sparsecorr"), "demo", "--quick", "--out", "run"],
                cwd=work, env=env)
     text = (work / "run" / "report.md").read_text()
@@ -77,8 +82,3 @@ def test_wheels_install_in_a_fresh_venv_and_the_demo_runs_outside_the_tree(tmp_p
     where = _run([py, "-c", "import sparsecorr, sparsecorr_trl; print(sparsecorr.__file__, "
                   "sparsecorr_trl.__file__)"], cwd=work, env=env)
     assert str(venv) in where and str(ROOT) not in where
-    plugin = _run([py, "-c", "from importlib.metadata import entry_points; "
-                   "print([e.value for e in entry_points(group='verl.plugins')])"], cwd=work, env=env)
-    assert "sparsecorr_verl.plugin" in plugin
-    helped = _run([py, "-m", "sparsecorr_verl.main_ppo", "--help"], cwd=work, env=env)
-    assert "loss_mode=sparsecorr" in helped
