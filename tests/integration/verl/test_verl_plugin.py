@@ -265,9 +265,11 @@ def test_policy_loss_reads_nothing_back(verl, plugin, monkeypatch):
 
 # -- ppo_loss end to end ------------------------------------------------------------------------
 
-def _actor_data(old, adv, mask, weights, prompt_len=4):
-    """The actor's micro-batch in verl's layout: padded prompts/responses, ``attention_mask``,
-    and ``dp_size`` / ``batch_num_tokens`` / ``global_batch_size`` as non-tensor data."""
+def _actor_data(old, adv, mask, response_mask, weights, prompt_len=4):
+    """The actor's micro-batch in verl's layout: padded prompts/responses, ``attention_mask``
+    (the generated tokens, ``mask``), the driver's ``response_mask`` / ``rollout_is_weights``,
+    and ``dp_size`` / ``batch_num_tokens`` / ``global_batch_size`` as non-tensor data, with
+    ``batch_num_tokens`` counted from ``response_mask`` as verl's engines count ``loss_mask``."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
@@ -275,11 +277,11 @@ def _actor_data(old, adv, mask, weights, prompt_len=4):
     attention = torch.cat([torch.ones(b, prompt_len, dtype=torch.long), mask.long()], dim=1)
     data = TensorDict({"prompts": torch.ones(b, prompt_len, dtype=torch.long),
                        "responses": torch.ones(b, t, dtype=torch.long),
-                       "attention_mask": attention, "response_mask": mask.float(),
+                       "attention_mask": attention, "response_mask": response_mask,
                        "old_log_probs": old, "advantages": adv, "rollout_is_weights": weights},
                       batch_size=[b])
     tu.assign_non_tensor_data(data, "dp_size", 1)
-    tu.assign_non_tensor_data(data, "batch_num_tokens", int(mask.sum()))
+    tu.assign_non_tensor_data(data, "batch_num_tokens", int(response_mask.sum()))
     tu.assign_non_tensor_data(data, "global_batch_size", b)
     return data
 
@@ -306,9 +308,7 @@ def test_ppo_loss_end_to_end_with_sparsecorr(verl, plugin):
     mask[-1, :3] = True  # ppo_loss needs a non-empty response per row
     batch, _ = _run_verl_call_site(_data_proto(old, rollout, mask),
                                    _rollout_corr_config({"preset": "sparse_rl"}))
-    new_mask = batch.batch["response_mask"].bool()
-    data = _actor_data(old, adv, mask, batch.batch["rollout_is_weights"])
-    data["response_mask"] = batch.batch["response_mask"]
+    data = _actor_data(old, adv, mask, batch.batch["response_mask"], batch.batch["rollout_is_weights"])
     flat = _unpadded(logp, mask).requires_grad_()
     cfg = _actor_config()
     loss, metrics = ppo_loss(cfg, {"log_probs": flat}, data)
@@ -317,10 +317,8 @@ def test_ppo_loss_end_to_end_with_sparsecorr(verl, plugin):
     ref = sparse_grpo(x, old, adv, mask, rollout_logp=rollout, correction=sparse_rl(),
                       surrogate=PPOClip(clip_low=0.2, clip_high=0.2, dual_clip=3.0),
                       aggregation="token-mean")
-    # verl's ppo_loss divides by the micro-batch's batch_num_tokens (here the pre-rejection count)
-    scale = new_mask.sum() / mask.sum()
-    torch.testing.assert_close(loss, ref.loss * scale)
-    (ref.loss * scale).backward()
+    torch.testing.assert_close(loss, ref.loss)
+    ref.loss.backward()
     grad = torch.cat([torch.cat([torch.zeros(3), x.grad[i, :int(n)], torch.zeros(1)])
                       for i, n in enumerate(mask.sum(-1))])
     torch.testing.assert_close(flat.grad, grad)
