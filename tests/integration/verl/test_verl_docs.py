@@ -11,7 +11,6 @@ import torch
 
 from sparsecorr.correction import sparse_rl, sparse_tail
 from sparsecorr.mismatch import measure
-from tests.integration.verl.real_verl import load_verl
 from tests.integration.verl.test_verl_plugin import _batch, _data_proto, _run_verl_call_site
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "integrations" / "verl.md"
@@ -29,15 +28,6 @@ def _rollout_corr_config(block: str):
     base = OmegaConf.create({"algorithm": {"rollout_correction": OmegaConf.create(
         verl_source("trainer/config/algorithm/rollout_correction.yaml"))}})
     return OmegaConf.merge(base, OmegaConf.create(block)).algorithm.rollout_correction
-
-
-@pytest.fixture(scope="module")
-def plugin():
-    load_verl()
-    import sparsecorr_verl.plugin as plugin
-
-    plugin.install()
-    return plugin
 
 
 def test_the_page_has_the_three_recipes():
