@@ -11,7 +11,9 @@ TORCH_VERSION := 2.13.0
 # peers of the parity tests, installed without their GPU-only dependencies (the tests load their
 # loss code through tests/openrlhf_shim.py and tests/verl_shim.py)
 PEERS := openrlhf>=0.11,<0.12 verl==0.9.1
-GLUE := integrations/trl integrations/openrlhf
+# the glue distributions, editable (verl's [cpu-test] extra: the light packages its CPU tests need
+# to load verl's real DataProto / ActorConfig next to the --no-deps verl)
+GLUE := integrations/trl integrations/openrlhf integrations/verl[cpu-test]
 # the tested transformers range: its ends are tested by `make test-edges` (the same range is in
 # pyproject.toml and src/sparsecorr/decoding/hf.py; tests/unit/test_versions.py checks they agree)
 TRANSFORMERS_RANGE := >=5.15,<6
@@ -78,7 +80,7 @@ bench: $(STAMP)
 # sdist + wheel of the three distributions into dist/ (what a release uploads)
 dist: $(STAMP)
 	rm -rf dist
-	@for d in . integrations/trl integrations/openrlhf; do \
+	@for d in . integrations/trl integrations/openrlhf integrations/verl; do \
 	  $(BIN)/python -m build --outdir dist $$d >/dev/null || exit 1; done
 	@ls -1 dist
 

@@ -1,6 +1,8 @@
-"""The release path a user runs: ``make dist`` builds sdist + wheel of the three distributions;
+"""The release path a user runs: ``make dist`` builds sdist + wheel of the four distributions;
 the wheels install into a fresh virtualenv with ``pip install 'sparsecorr[demo]'`` and
-``sparsecorr demo --quick`` runs there from a directory outside the source tree.
+``sparsecorr demo --quick`` runs there from a directory outside the source tree. The verl
+plugin's wheel installs beside them (without verl, which needs GPU-only packages): its
+``verl.plugins`` entry point is registered and its launcher's ``--help`` runs.
 
 Marked ``slow`` (a fresh venv installs torch and TRL's dependency tree: 95 s to 4.5 min on 2
 cores with pip's cache warm); ``.ci/run`` runs it after the default suite. Costs kept down: the
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTIONS = {".": "sparsecorr", "integrations/trl": "sparsecorr_trl",
-                 "integrations/openrlhf": "sparsecorr_openrlhf"}
+                 "integrations/openrlhf": "sparsecorr_openrlhf", "integrations/verl": "sparsecorr_verl"}
 TORCH = "torch==2.13.0"
 
 
@@ -60,10 +62,16 @@ def test_wheels_install_in_a_fresh_venv_and_the_demo_runs_outside_the_tree(tmp_p
     _run([*pip, TORCH], cwd=tmp_path, env=env)  # the pinned CPU wheel first, never a CUDA one
     # what a user types, with the local wheels standing in for the index
     _run([*pip, f"{core_wheel}[demo]", str(built["sparsecorr_trl"][0]),
-          str(built["sparsecorr_openrlhf"][0])], cwd=tmp_path, env=env)
+          str(built["sparsecorr_openrlhf"][0]), str(built["sparsecorr_verl"][0])],
+         cwd=tmp_path, env=env)
 
     work = tmp_path / "elsewhere"  # outside the source tree: nothing is read from the checkout
     work.mkdir()
+    plugin = _run([py, "-c", "from importlib.metadata import entry_points; "
+                   "print([e.value for e in entry_points(group='verl.plugins')])"], cwd=work, env=env)
+    assert "sparsecorr_verl.plugin" in plugin
+    helped = _run([py, "-m", "sparsecorr_verl.main_ppo", "--help"], cwd=work, env=env)
+    assert "loss_mode=sparsecorr" in helped
     out = _run([str(venv / "bin" / "sparsecorr"), "demo", "--quick", "--out", "run"],
                cwd=work, env=env)
     text = (work / "run" / "report.md").read_text()

@@ -1,0 +1,32 @@
+"""sparsecorr inside verl (0.9.1): the policy loss, the rollout correction and the metrics.
+
+Installed, the distribution registers the entry point ``sparsecorr`` in verl's ``verl.plugins``
+group, so ``import verl`` loads `sparsecorr_verl.plugin` in every process. Then, in verl's YAML::
+
+    actor_rollout_ref.actor.policy_loss.loss_mode: sparsecorr
+    algorithm.rollout_correction.sparsecorr: {preset: sparse_rl}
+
+or launch with ``python -m sparsecorr_verl.main_ppo <verl overrides>``. Importing this package
+does not import verl; importing ``sparsecorr_verl.plugin`` does, and installs the plugin.
+"""
+
+from .check import TESTED_VERL, VerlMismatchError, check_verl, verl_problems
+from .correction import SPEC_KEY, DriverSpec, correction_from_spec, driver_spec, rollout_correction
+from .loss import LOSS_MODE, aggregation_for, sparsecorr_policy_loss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LOSS_MODE",
+    "SPEC_KEY",
+    "TESTED_VERL",
+    "DriverSpec",
+    "VerlMismatchError",
+    "aggregation_for",
+    "check_verl",
+    "correction_from_spec",
+    "driver_spec",
+    "rollout_correction",
+    "sparsecorr_policy_loss",
+    "verl_problems",
+]
