@@ -648,3 +648,17 @@ def test_every_function_of_a_kind_has_a_valid_call() -> None:
 def test_generic_bad_value_is_refused_by_name(kind, key, call, value) -> None:
     name = discovered()[(kind, key)] if kind != "answers" else "answers"
     check_row(refused(key, "range" if kind != "answers" else "dtype", lambda: call(value), rf"{name}\b"))
+
+
+def test_measure_reads_column_advantages_as_per_sequence() -> None:
+    """``measure(..., advantages=adv[:, None])`` (``[B, 1]``) is accepted and means ``[B]``
+    (documented in docs/guarantees.md; issue 30)."""
+    from sparsecorr import correction
+
+    old, roll = -torch.rand(3, 5) * 3, -torch.rand(3, 5) * 3
+    adv, m = torch.tensor([1.0, -1.0, -0.5]), torch.ones(3, 5, dtype=torch.bool)
+    col = mismatch.measure(old, roll, m, advantages=adv[:, None])
+    row = mismatch.measure(old, roll, m, advantages=adv)
+    for delta in (0.0, 0.5, 1e3):
+        opsm = correction.get_preset("opsm", delta=delta)
+        assert torch.equal(opsm(col).mask, opsm(row).mask)
