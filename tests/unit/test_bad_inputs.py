@@ -17,6 +17,8 @@ checks that each has at least one row:
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import math
 import re
@@ -494,6 +496,15 @@ def _pruning_rows() -> list[Row]:
         refused("weighted_vote", "nan", lambda: pruning.weighted_vote(["a", "b"], [1.0, NAN]), "weights"),
         refused("weighted_vote", "range", lambda: pruning.weighted_vote(["a", "b"], [1.0, -1.0]), "weights"),
         refused("weighted_vote", "shape", lambda: pruning.weighted_vote(["a", "b"], [1.0]), "weights"),
+        refused("weighted_vote", "dtype", lambda: pruning.weighted_vote([["a"], "b"], [1.0, 1.0]),
+                r"answers\[0\]", "unhashable answer"),
+        refused("weighted_vote", "dtype", lambda: pruning.weighted_vote("ab", [1.0, 1.0]), "answers", "a str"),
+        refused("weighted_vote", "dtype", lambda: pruning.weighted_vote(["a", "b"], [1.0, "x"]), "weights",
+                "a str weight"),
+        refused("weighted_vote", "dtype", lambda: pruning.weighted_vote(["a", "b"], [True, 1.0]), "weights",
+                "a bool weight"),
+        refused("majority_vote", "dtype", lambda: pruning.majority_vote([{"x": 1}, "b"]), r"answers\[0\]",
+                "unhashable answer"),
         result("weighted_vote", "empty", lambda: pruning.weighted_vote([], []), lambda r: r is None, "None"),
         result("majority_vote", "empty", lambda: pruning.majority_vote([]), lambda r: r is None, "None"),
         result("majority_vote", "all_masked", lambda: pruning.majority_vote([None, None]), lambda r: r is None,
@@ -517,3 +528,137 @@ def test_every_covered_public_name_has_rows() -> None:
 def test_rows_span_the_bad_input_classes() -> None:
     kinds = {r.kind for r in ALL_ROWS}
     assert kinds == set(CLASSES)
+
+
+# -- generic cases, by parameter kind (issue 30) --------------------------------------------------
+# Every public function or method with a ``dim``, a group size or an ``answers`` list is found by
+# its signature; each kind has bad values every such function must refuse, naming the argument.
+# A new function of one of these kinds fails `test_every_function_of_a_kind_has_a_valid_call`
+# until it gets a valid call below, and from then on inherits every case of its kind.
+#: the public API searched (integrations are searched when installed)
+PUBLIC_MODULES = ("sparsecorr.mismatch", "sparsecorr.correction", "sparsecorr.losses",
+                  "sparsecorr.pruning", "sparsecorr.schedules", "sparsecorr.decoding",
+                  "sparsecorr_trl", "sparsecorr_openrlhf", "sparsecorr_verl")
+
+#: parameter kind -> (names of that kind, bad values with a note)
+KINDS: dict[str, tuple[re.Pattern, list[tuple[object, str]]]] = {
+    "dim": (re.compile(r"^dim$"),
+            [(5, "dim5"), (-6, "dim-6"), (True, "bool"), (1.5, "float"), ("1", "str")]),
+    "group_size": (re.compile(r"^(group_size|num_generations)$"),
+                   [(0, "0"), (-1, "-1"), (True, "bool"), (2.5, "float"), (3, "not dividing B=4"),
+                    ("2", "str")]),
+    "answers": (re.compile(r"^answers$"),
+                [([["a"], "b"], "unhashable answer"), ("ab", "a str"), ({"a", "b"}, "a set")]),
+}
+
+
+def _public_callables() -> dict[str, Callable]:
+    """``"module:Name"`` / ``"module:Name.method"`` -> callable, each object once."""
+    found, seen = {}, set()
+    for module_name in PUBLIC_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            members = [(name, obj)]
+            if inspect.isclass(obj):
+                members += [(f"{name}.{m}", getattr(obj, m)) for m in dir(obj)
+                            if not m.startswith("_") and callable(getattr(obj, m, None))
+                            and getattr(getattr(obj, m), "__module__", "").startswith("sparsecorr")]
+            for key, fn in members:
+                if callable(fn) and id(fn) not in seen:
+                    seen.add(id(fn))
+                    found[f"{module_name}:{key}"] = fn
+    return found
+
+
+def discovered() -> dict[tuple[str, str], str]:
+    """(kind, function key) -> the parameter's name, for every public callable of each kind."""
+    out = {}
+    for key, fn in _public_callables().items():
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            continue
+        for kind, (pattern, _) in KINDS.items():
+            for p in params:
+                if pattern.match(p):
+                    out[(kind, key)] = p
+    return out
+
+
+_V = 16  # the tiny model's vocabulary for generate's case
+
+
+def _generate_with_pruner(group_size):
+    from sparsecorr.decoding import StreamingLLM, generate
+    from tests.models import tiny_model
+
+    model = tiny_model("qwen3", vocab_size=_V)
+    pruner = pruning.Pruner(pruning.QualityHead(model.config.hidden_size), detect_len=2, window=1)
+    return generate(model, torch.randint(3, _V, (4, 3)), policy=StreamingLLM(sink=1), budget=4,
+                    max_new_tokens=2, pruner=pruner, group_size=group_size)
+
+
+def _vote_weights(answers):
+    return [1.0] * len(answers)
+
+
+#: (kind, function key) -> a valid call taking the value of that parameter (B = 4 rows where a
+#: group size applies, 2-D inputs where a dim does)
+VALID_CALLS: dict[tuple[str, str], Callable[[object], object]] = {
+    ("dim", "sparsecorr.mismatch:masked_quantile"): lambda v: mismatch.masked_quantile(_x(), _m(), 0.5, dim=v),
+    ("dim", "sparsecorr.mismatch:effective_sample_size"):
+        lambda v: mismatch.effective_sample_size(_x(), _m(), dim=v),
+    ("group_size", "sparsecorr.losses:group_advantages"):
+        lambda v: importlib.import_module("sparsecorr.losses").group_advantages(torch.rand(4), group_size=v),
+    ("group_size", "sparsecorr.pruning:balanced_keep"): lambda v: pruning.balanced_keep(torch.rand(4), group_size=v),
+    ("group_size", "sparsecorr.pruning:Pruner.decide"):
+        lambda v: pruning.Pruner(pruning.QualityHead(4), window=1).decide(torch.ones(4, 1, 4), group_size=v),
+    ("group_size", "sparsecorr.decoding:generate"): _generate_with_pruner,
+    ("answers", "sparsecorr.pruning:weighted_vote"): lambda v: pruning.weighted_vote(v, _vote_weights(v)),
+    ("answers", "sparsecorr.pruning:majority_vote"): pruning.majority_vote,
+}
+
+#: cases whose function lives in the loss path: refused once the loss-path fixes land (issue 25)
+LOSS_PATH_XFAIL = {("sparsecorr.mismatch:effective_sample_size", note) for _, note in KINDS["dim"][1]} | {
+    ("sparsecorr.losses:group_advantages", "bool")}
+
+
+def _generic_cases():
+    for (kind, key), call in VALID_CALLS.items():
+        for value, note in KINDS[kind][1]:
+            marks = [pytest.mark.xfail(strict=True, reason="loss-path fixes land after issue 25")] \
+                if (key, note) in LOSS_PATH_XFAIL else []
+            yield pytest.param(kind, key, call, value, id=f"{key}-{kind}-{note}", marks=marks)
+
+
+def test_every_function_of_a_kind_has_a_valid_call() -> None:
+    found = discovered()
+    assert set(found) == set(VALID_CALLS), (
+        f"missing a valid call: {sorted(set(found) - set(VALID_CALLS))}; "
+        f"no longer public: {sorted(set(VALID_CALLS) - set(found))}")
+    kinds = {kind for kind, _ in found}
+    assert kinds == set(KINDS)  # each kind has at least one function: the search works
+
+
+@pytest.mark.parametrize(("kind", "key", "call", "value"), list(_generic_cases()))
+def test_generic_bad_value_is_refused_by_name(kind, key, call, value) -> None:
+    name = discovered()[(kind, key)] if kind != "answers" else "answers"
+    check_row(refused(key, "range" if kind != "answers" else "dtype", lambda: call(value), rf"{name}\b"))
+
+
+def test_measure_reads_column_advantages_as_per_sequence() -> None:
+    """``measure(..., advantages=adv[:, None])`` (``[B, 1]``) is accepted and means ``[B]``
+    (documented in docs/guarantees.md; issue 30)."""
+    from sparsecorr import correction
+
+    old, roll = -torch.rand(3, 5) * 3, -torch.rand(3, 5) * 3
+    adv, m = torch.tensor([1.0, -1.0, -0.5]), torch.ones(3, 5, dtype=torch.bool)
+    col = mismatch.measure(old, roll, m, advantages=adv[:, None])
+    row = mismatch.measure(old, roll, m, advantages=adv)
+    for delta in (0.0, 0.5, 1e3):
+        opsm = correction.get_preset("opsm", delta=delta)
+        assert torch.equal(opsm(col).mask, opsm(row).mask)

@@ -83,7 +83,8 @@ def add_calibrate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description="Generate rollouts at each budget, teacher-force the dense model, "
                                    "and write the calibration table (JSON) and a PNG plot. Resumable: "
                                    "a rerun with the same --out continues (new budgets are added; "
-                                   "other changed settings are refused).")
+                                   "a new --q re-writes the table at that level without "
+                                   "recomputing; other changed settings are refused).")
     p.add_argument("--model", required=True, help="local model directory")
     p.add_argument("--prompts", required=True, help='JSONL with {"prompt_ids": [...]} or {"prompt": "..."}')
     p.add_argument("--budgets", required=True, type=budget_list, help="candidate KV budgets, e.g. 256,512,1024")
@@ -145,7 +146,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     table = calibrate(model, ids, progress=True, **kwargs)
     png = out / "calibration.png"
     atomic_write_bytes(png, plot_table_png(table, tau=args.tau))
-    print(f"wrote {out / 'calibration.json'} and {png}")
+    print(f"wrote {out / 'calibration.json'} (q={table.q:g}, budgets {table.budgets}) and {png}")
     return 0
 
 

@@ -32,6 +32,7 @@ from .validate import (
     check_run_args,
     check_sampling,
     check_token_ids,
+    clamp_topk,
     vocab_size,
 )
 
@@ -84,7 +85,7 @@ def _sync(device: torch.device) -> None:
 
 def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, progress, prefill_chunk,
          eos_token_id=None, pruner=None, group_size=None, forced=None, forced_len=None, chunk_size=None,
-         grad=False, cuda_graph=False) -> RolloutBatch:
+         grad=False, cuda_graph=False, topk_requested=None) -> RolloutBatch:
     """Decode (or replay ``forced``) the non-empty rows; empty prompts get blank rows."""
     param = next(model.parameters())
     device = param.device
@@ -92,7 +93,8 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     live = (lens > 0).nonzero().squeeze(1)
     back = get_backend(backend, device=device, dtype=param.dtype)
     budget_table(budget, dense=policy.kind == "dense", longest=0)  # checked even for an empty batch
-    base = dict(budget=budget, samp=samp, backend_name=back.name, prefill_chunk=prefill_chunk)
+    base = dict(budget=budget, samp=samp, backend_name=back.name, prefill_chunk=prefill_chunk,
+                logprobs_topk=samp.k, logprobs_topk_requested=topk_requested)
     if live.numel() == 0:
         return RolloutBatch(**blank_fields(b_all, t_max, samp.k, prompt_lengths=lens),
                             meta=_meta(model, policy, **base, prefill_s=0.0, decode_s=0.0, kv_pool_bytes=0))
@@ -154,7 +156,10 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
         temperature: sampling temperature; 0 = greedy (log-probs then of the untempered model).
         top_k: sample from the top-k support (log-probs renormalised over it); None = off.
         top_p: nucleus sampling in (0, 1] (log-probs renormalised over the kept support).
-        logprobs_topk: k of the recorded top-k log-probs (Sparrow: 20; 0 = none).
+        logprobs_topk: k of the recorded top-k log-probs (Sparrow: 20; 0 = none). A k above the
+            vocabulary size V is clamped to V (the top-V holds the whole distribution):
+            ``topk_logp`` then has V columns, and ``meta["logprobs_topk"]`` records the k used,
+            ``meta["logprobs_topk_requested"]`` the k asked for.
         eos_token_id: stop a row after it samples one of these.
         backend: ``"auto"`` (FlashInfer on CUDA when installed, else ``"torch"``), ``"torch"``
             (SDPA in the model's dtype), ``"reference"`` (float32 oracle), ``"flashinfer"``, or a
@@ -162,7 +167,8 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
         generator: RNG for sampling (seeded runs are reproducible).
         progress: show a progress bar.
         pruner: an ARRoL pruner (``sparsecorr.pruning.Pruner``) deciding at ``pruner.detect_len``.
-        group_size: rollouts per prompt (consecutive rows), required with ``pruner``.
+        group_size: rollouts per prompt (consecutive rows), required with ``pruner``; when
+            given, an int (not a bool) dividing ``B``.
         prefill_chunk: prompt tokens per prefill forward (None = the whole prompt at once).
             Eviction policies compress between chunks, so their cache never exceeds
             ``budget + buffer + prefill_chunk`` slots; with one chunk the prompt is compressed
@@ -182,10 +188,13 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
     check_run_args(policy=policy, max_new_tokens=max_new_tokens, logprobs_topk=logprobs_topk,
                    eos_token_id=eos_token_id, prefill_chunk=prefill_chunk)
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
-    if pruner is not None:
+    if pruner is not None or group_size is not None:  # a group size given is checked, bools refused
         n = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else None
-        if not isinstance(group_size, int) or group_size < 1 or n is None or n % group_size:
-            raise ValueError(f"group_size: expected an int dividing B={n} with a pruner, got {group_size!r}")
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1 \
+                or n is None or n % group_size:
+            raise ValueError(f"group_size: expected an int dividing B={n} (required with a pruner), "
+                             f"got {group_size!r}")
+    if pruner is not None:
         if not 1 <= pruner.window <= pruner.detect_len:
             raise ValueError(f"pruner.window: expected 1 <= window <= detect_len ({pruner.detect_len}), "
                              f"got {pruner.window!r}")
@@ -197,10 +206,12 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
     ids, lens = _prompts(model, input_ids, attention_mask)
     if pruner is not None and bool((lens == 0).any()):
         raise ValueError("attention_mask: every row needs a prompt token when a pruner keeps groups")
-    samp = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, k=logprobs_topk, generator=generator)
+    samp = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, k=clamp_topk(model, logprobs_topk),
+                    generator=generator)
     return _run(model, ids, lens, policy=policy, budget=budget, max_new_tokens=max_new_tokens, samp=samp,
                 backend=backend, progress=progress, prefill_chunk=prefill_chunk,
-                eos_token_id=eos_token_id, pruner=pruner, group_size=group_size, cuda_graph=cuda_graph)
+                eos_token_id=eos_token_id, pruner=pruner, group_size=group_size, cuda_graph=cuda_graph,
+                topk_requested=logprobs_topk)
 
 
 def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, response_ids: torch.Tensor, *,
@@ -227,6 +238,8 @@ def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, res
     log-probs of the sparse path itself. Memory grows with the number of chunks (each keeps its
     graph).
 
+    ``logprobs_topk`` above the vocabulary size is clamped to it, as in ``generate``.
+
     Shapes:
         input_ids, attention_mask: ``[B, P]``; response_ids, response_mask: ``[B, T]``.
     """
@@ -246,9 +259,10 @@ def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, res
                    eos_token_id=None, prefill_chunk=prefill_chunk)
     ids, lens = _prompts(model, input_ids, attention_mask)
     forced_len = rmask.long().cumprod(1).sum(1)  # up to the first False
-    samp = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, k=logprobs_topk, generator=None)
+    samp = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, k=clamp_topk(model, logprobs_topk),
+                    generator=None)
     forced = torch.where(rmask.to(ids.device), response_ids.to(ids.device), 0)
     # a row with no response token to score is skipped (blank row, finish reason "empty")
     return _run(model, ids, torch.where(forced_len > 0, lens, 0), policy=policy, budget=budget, max_new_tokens=t_max, samp=samp, backend=backend,
                 progress=progress, prefill_chunk=prefill_chunk, forced=forced, forced_len=forced_len,
-                chunk_size=chunk_size, grad=grad)
+                chunk_size=chunk_size, grad=grad, topk_requested=logprobs_topk)

@@ -13,7 +13,7 @@ import torch
 
 from .policies import KVPolicy
 
-__all__ = ["budget_table", "check_run_args", "check_sampling", "check_token_ids", "vocab_size"]
+__all__ = ["budget_table", "check_run_args", "check_sampling", "check_token_ids", "clamp_topk", "vocab_size"]
 
 
 def _is_int(x: object) -> bool:
@@ -37,6 +37,16 @@ def vocab_size(model) -> int:
     """Rows of the model's input embedding (the ids the model can read)."""
     emb = model.get_input_embeddings()
     return int(getattr(emb, "num_embeddings", None) or model.config.vocab_size)
+
+
+def clamp_topk(model, logprobs_topk: int) -> int:
+    """``logprobs_topk`` capped at the size ``V`` of the model's logits (the output embedding's
+    rows, else the input vocabulary): a top-k of ``min(k, V)`` columns holds the whole
+    distribution, so the acceptance computed from it is exact. Called after ``check_run_args``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    v = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else vocab_size(model)
+    return min(int(logprobs_topk), v)
 
 
 def check_token_ids(name: str, ids: object, *, vocab: int, mask: torch.Tensor | None = None,

@@ -9,7 +9,8 @@ ignored; if every answer is ``None`` the result is ``None``.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence, Set
+from numbers import Real
 
 import torch
 
@@ -22,18 +23,27 @@ def weighted_vote(
     """The answer with the largest summed weight (first occurrence wins ties).
 
     Args:
-        answers: one (hashable) final answer per rollout, ``None`` for no answer.
+        answers: a list or tuple with one hashable final answer per rollout (a str, number,
+            tuple...), ``None`` for no answer.
         weights: one finite weight ≥ 0 per rollout (e.g. the head's predicted success).
+
+    Raises:
+        ValueError: ``answers`` is not a list or tuple, or holds an unhashable answer (a list:
+            pass ``tuple(answer)``), named by index; ``weights`` has another length, or a value
+            that is not a finite number ≥ 0.
     """
+    _check_answers(answers)
     if isinstance(weights, torch.Tensor):
         weights = weights.detach().float().reshape(-1).tolist()
+    if isinstance(weights, (str, bytes, Set, Mapping)) or not isinstance(weights, Collection):
+        raise ValueError(f"weights: expected a sequence or tensor of numbers, got {type(weights).__name__}")
     weights = list(weights)
     if len(weights) != len(answers):
         raise ValueError(
             f"weights: expected one weight per answer ({len(answers)}), got {len(weights)}"
         )
     for w in weights:
-        if not math.isfinite(w) or w < 0:
+        if isinstance(w, bool) or not isinstance(w, Real) or not math.isfinite(w) or w < 0:
             raise ValueError(f"weights: expected finite numbers >= 0, got {w!r}")
     totals: dict[Hashable, float] = {}
     for answer, w in zip(answers, weights):
@@ -45,6 +55,21 @@ def weighted_vote(
     return next(a for a, t in totals.items() if t == best)
 
 
+def _check_answers(answers: object) -> None:
+    """``answers``: an ordered collection (list, tuple, array) of hashable answers (``None``
+    allowed); not a string, set or mapping."""
+    if isinstance(answers, (str, bytes, Set, Mapping)) or not isinstance(answers, Collection):
+        raise ValueError(f"answers: expected a list or tuple of hashable answers (None = no answer), "
+                         f"got {type(answers).__name__}")
+    for i, a in enumerate(answers):
+        try:
+            hash(a)
+        except TypeError:
+            raise ValueError(f"answers[{i}]: expected a hashable answer (a str, number, tuple or None; "
+                             f"convert a list with tuple(...)), got {type(a).__name__} {a!r}") from None
+
+
 def majority_vote(answers: Sequence[Hashable | None]) -> Hashable | None:
     """The most frequent answer (first occurrence wins ties); ``weighted_vote`` with weight 1."""
+    _check_answers(answers)
     return weighted_vote(answers, [1.0] * len(answers))

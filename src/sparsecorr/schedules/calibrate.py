@@ -10,13 +10,15 @@ vocabulary) fills the table over bins of total context length.
 rollout: a bad ``q`` or an unwritable directory fails in milliseconds, not after a budget.
 
 **Resume.** With ``out``, the table is saved atomically after every budget, and a rerun with
-the same ``out`` resumes. The file records the settings the tokens were measured under; a rerun
+the same ``out`` resumes. When `calibrate` returns, ``out/calibration.json`` holds the returned
+table. The file records the settings the tokens were measured under; a rerun
 
 - *extends* the table: budgets already done are kept (not recomputed), requested budgets not
   done yet are calibrated; a budget in the file that is neither done nor requested is dropped
   (it holds no data);
 - *re-reads* it at a new ``q``: the table keeps full histograms, so a different tail level is
-  exact without recomputation;
+  exact without recomputation; the file is re-written at the new ``q`` (atomically) even when no
+  budget is left to measure;
 - *refuses* (``ValueError`` naming each differing setting, file untouched) when ``bin_size``,
   ``n_bins``, the policy, ``sample_with``, ``max_new_tokens``, ``samples_per_prompt``,
   ``temperature``, ``logprobs_topk``, ``seed`` or the prompts differ: tokens measured under
@@ -109,6 +111,8 @@ def calibrate(model: torch.nn.Module, prompts: torch.Tensor, *, policy: KVPolicy
         table.meta["done"].append(budget)
         if path is not None:
             table.save(path)
+    if path is not None and not plan.todo:
+        table.save(path)  # nothing measured: the file still gets the new q (and drops empty budgets)
     return table
 
 

@@ -46,7 +46,8 @@ class SparseCorrConfig:
             anyway with a controller or a ``sparse_tail`` correction. Needs ``policy``.
         acceptance_topk: k of the top-k lower bound of the acceptance on both sides (use the
             ``logprobs_topk`` your calibration used; Sparrow: 20; the vocabulary size makes it
-            exact).
+            exact). A k above the model's vocabulary size is clamped to it by the sampler
+            (``sparsecorr.decoding.generate``), so the default works on any model.
         distill: DistillSparse (Sparrow): a LoRA adapter active only in the sparse sampler,
             trained after each policy step with ``distill_sparse_loss``; needs ``policy`` and
             peft.
