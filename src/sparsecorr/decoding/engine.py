@@ -131,7 +131,9 @@ class Engine:
                 keep = keep_counts(self.policy, slots=qslots, budgets=budgets)
                 st.select, st.keep_max = True, int(keep.max())
                 st.query_slots, st.budgets = self._dev(qslots), self._dev(budgets)
-        st.paged = bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
+        # a paged kernel has no backward: a grad-enabled forward stays on the autograd path
+        st.paged = (bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
+                    and not torch.is_grad_enabled())
         return st
 
     def _begin_paged_step(self) -> None:

@@ -135,6 +135,9 @@ class DecodeGraphs:
             warnings.warn(f"cuda_graph: capture failed, decoding eagerly ({type(exc).__name__}: {exc})",
                           RuntimeWarning, stacklevel=2)
             self.status = f"failed: {type(exc).__name__}"
+            self.captured = {}
+            if hasattr(self.engine.cache.backend, "reset_graph"):  # eager kernels for the eager steps
+                self.engine.cache.backend.reset_graph()
             return None
         self._load(c, ids)
         if c.step.paged:
