@@ -308,3 +308,19 @@ def test_flashinfer_plan_hands_host_tables_and_fences_once(monkeypatch):
     for _ in range(3):
         kernel.plan(table, dtype=torch.bfloat16)
     assert log == [("plan", "cpu", "cpu"), "record"] + [("wait"), ("plan", "cpu", "cpu"), "record"] * 2
+
+
+# -- finding 11: a compression moves the budgets to the device once --------------------------------
+@pytest.mark.parametrize("policy", [StreamingLLM(sink=1), RKV(window=2, buffer=2)], ids=lambda p: p.name)
+def test_compression_makes_no_blocking_copy_per_layer(policy):
+    from sparsecorr.decoding.cache import SparseKVCache
+    from sparsecorr.decoding.pool import KVPool
+
+    meta = torch.device("meta")
+    pool = KVPool(layers=4, batch=3, kv_heads=2, q_heads=4, head_dim=8, capacity=24, page_size=16,
+                  dtype=torch.float32, device=meta, positions=True, window=getattr(policy, "window", 0),
+                  summaries=False, grad=False)
+    cache = SparseKVCache(pool, policy=policy, backend=TorchBackend())
+    with _Syncs() as mode:
+        cache.compress(torch.tensor([8, 10, 12]), torch.tensor([11, 13, 12]), None)
+    assert mode.events == []
