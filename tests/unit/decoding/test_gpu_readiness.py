@@ -324,3 +324,48 @@ def test_compression_makes_no_blocking_copy_per_layer(policy):
     with _Syncs() as mode:
         cache.compress(torch.tensor([8, 10, 12]), torch.tensor([11, 13, 12]), None)
     assert mode.events == []
+
+
+# -- finding 10: full, aligned chunks run causal SDPA without a mask tensor ---------------------------
+def test_aligned_chunk_attention_equals_the_masked_one():
+    from torch.nn.attention.bias import causal_lower_right
+
+    from sparsecorr.decoding.backends import ReferenceBackend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 8, 5, 16, generator=g), torch.randn(2, 2, 12, 16, generator=g), torch.randn(2, 2, 12, 16, generator=g)
+    mask = (torch.arange(12) <= 7 + torch.arange(5)[:, None])[None, None]
+    for backend in (TorchBackend(), ReferenceBackend()):
+        want = backend.attend(q, k, v, mask, scaling=0.25)
+        got = backend.attend(q, k, v, causal_lower_right(5, 12), scaling=0.25)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", [Dense(), RKV(window=2, buffer=4), BlockTopK(page_size=4, dense_layers=1)],
+                         ids=lambda p: p.name)
+def test_aligned_chunks_give_todays_logprobs(policy, monkeypatch):
+    """Equal-length prompts (prefill) and teacher-forced chunks of full rows use the causal
+    kernel; log-probs equal those of the explicit [B, 1, Q, S] mask."""
+    from torch.nn.attention.bias import CausalBias
+
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 128, (3, 10), generator=torch.Generator().manual_seed(6))
+    resp = torch.randint(3, 128, (3, 12), generator=torch.Generator().manual_seed(7))
+    kw = dict(policy=policy, budget=8, backend="torch", prefill_chunk=4, chunk_size=5)
+    seen = []
+    step = Engine._step
+
+    def explicit(self, q_len, real, decode):
+        st = step(self, q_len, real, decode)
+        if isinstance(st.mask, CausalBias):
+            seen.append(q_len)
+            counts = self.count.to(self.device)
+            st.mask = (torch.arange(st.kv_len) <= (counts[:, None] + torch.arange(q_len))[:, :, None])[:, None]
+        return st
+
+    got = teacher_forced_logprobs(model, ids, resp, **kw)
+    monkeypatch.setattr(Engine, "_step", explicit)
+    want = teacher_forced_logprobs(model, ids, resp, **kw)
+    assert seen  # the aligned path ran
+    torch.testing.assert_close(got.rollout_logp, want.rollout_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.topk_logp, want.topk_logp, atol=1e-5, rtol=0)

@@ -102,7 +102,7 @@ class FlashInferDecode:
         self.device = torch.device(device)
         self.group_size, self.head_dim = group_size, head_dim
         tc = needs_tensor_cores(group_size) if use_tensor_cores is None else use_tensor_cores
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)  # "must be zeroed"
         graph = {}
         if graph_buffers is not None:  # fixed indptr / indices / last_page_len: CUDA-graph mode
             graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=graph_buffers[0],
