@@ -369,3 +369,26 @@ def test_aligned_chunks_give_todays_logprobs(policy, monkeypatch):
     assert seen  # the aligned path ran
     torch.testing.assert_close(got.rollout_logp, want.rollout_logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(got.topk_logp, want.topk_logp, atol=1e-5, rtol=0)
+
+
+# -- finding 5: captures are counted and timed -------------------------------------------------------
+def test_graph_captures_are_counted_and_timed():
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 128, (3, 5), generator=torch.Generator().manual_seed(1))
+    fields, engine = _decode(model, ids, Dense(), None, backend=TorchBackend(), runner=EagerRunner, steps=24,
+                             eos=[11, 63, 90])
+    sizes = {int((fields["lengths"] > t).sum()) for t in range(1, int(fields["lengths"].max()))} - {0}
+    assert engine.graphs.captures == len(sizes) > 1  # one capture per batch size met (no buckets yet)
+    assert engine.graphs.capture_s > 0
+
+
+# -- finding 1: the GPU tests need no TRL, OpenRLHF or verl -------------------------------------------
+def test_gpu_tests_import_no_rl_framework():
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    code = ("import sys\nfor m in ('trl', 'openrlhf', 'verl', 'sparsecorr_trl'): sys.modules[m] = None\n"
+            "import tests.gpu.test_decoding_gpu, tests.gpu.test_flashinfer_kernel\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
