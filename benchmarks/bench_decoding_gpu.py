@@ -4,10 +4,14 @@ Qwen3-0.6B and Qwen3-1.7B shapes (``Qwen3Config``, random bf16 weights built in-
 random prompts without padding, greedy, EOS off. For every (model, batch, context) cell, in the
 same process: HF ``model.generate`` (sdpa, DynamicCache), our Dense, and every sparse policy at
 ``--budget``; then teacher forcing of a ``--tf-tokens`` response (Dense and RKV) against one full
-forward pass. Per-token time excludes the prefill: ours = ``meta["decode_s"] / (new - 1)``; HF =
+forward pass. Per-token time excludes the prefill and CUDA-graph capture: ours =
+``(meta["decode_s"] - meta["capture_s"]) / (new - 1)``; HF =
 timestamps of a StoppingCriteria after a device sync, (last - first) / (new - 1). Peak =
 ``torch.cuda.max_memory_allocated`` over the call (weights included); "KV" = the slots the
-policy held at its peak (``peak_kv_bytes``) and "pool" = the preallocated buffer.
+policy held at its peak (``peak_kv_bytes``) and "pool" = the preallocated buffer. Every cell
+records what actually ran: the backend ``"auto"`` resolved to (``meta["backend"]``), the CUDA-graph
+status (``meta["cuda_graph"]``: "on", "off" or "failed: ...", the last an eager fallback, flagged
+``graph_fallback``), the captures and their seconds.
 
 Targets (issue #17): dense within 1.1x of HF; eviction and BlockTopK >= 2x HF at 32k; a sparse
 policy's peak KV <= (budget + buffer) / context of dense's; 8 x 32k runs for every policy;
@@ -122,9 +126,22 @@ def cell(model, shape, b, ctx, args, device, log):
                             max_new_tokens=args.new, temperature=0, logprobs_topk=0, backend=args.backend,
                             prefill_chunk=args.prefill_chunk, cuda_graph=args.cuda_graph)
         out, peak = measured(run, device)
-        t = out if isinstance(out, str) else out.meta["decode_s"] / (args.new - 1)
+        t = out if isinstance(out, str) else decode_seconds_per_token(out.meta, args.new)
         dense_t = t if name == "Dense" else dense_t
         log(shape, b, ctx, name, t, peak, hf, dense_t, out)
+
+
+def decode_seconds_per_token(meta: dict, new: int) -> float:
+    """Decode seconds per generated token after the first, CUDA-graph capture excluded."""
+    return (meta["decode_s"] - meta.get("capture_s", 0.0)) / (new - 1)
+
+
+def ran(meta: dict, *, asked_graph: bool) -> dict:
+    """What a cell actually ran: backend, CUDA-graph status and captures, and whether graphs
+    were asked for but the run fell back to eager steps."""
+    graph = meta.get("cuda_graph", "off")
+    return {"backend": meta["backend"], "cuda_graph": graph, "graph_captures": meta.get("graph_captures", 0),
+            "capture_s": meta.get("capture_s", 0.0), "graph_fallback": asked_graph and graph != "on"}
 
 
 def teacher_forcing(model, shape, b, ctx, args, device, log_tf):
@@ -168,8 +185,9 @@ class Report:
     """Rows of the two tables; each cell is also printed and appended to ``--out`` as soon as it
     is measured, so a run cut short keeps what it measured."""
 
-    def __init__(self, gpu: str, out: str | None) -> None:
+    def __init__(self, gpu: str, out: str | None, *, cuda_graph: bool = False) -> None:
         self.gpu, self.out, self.rows, self.tf_rows = gpu, out, [], []
+        self.cuda_graph = cuda_graph
 
     def _record(self, rec: dict) -> None:
         print(json.dumps(rec), flush=True)
@@ -185,12 +203,17 @@ class Report:
         ok = not isinstance(t, str)
         vs_hf = f"{hf / t:.2f}x" if ok and isinstance(hf, float) else ""
         vs_dense = f"{dense / t:.2f}x" if ok and isinstance(dense, float) else ""
-        kv = pool = ""
+        kv = pool = backend = graph = ""
+        extra = {}
         if out is not None and not isinstance(out, str):
             kv, pool = f"{out.peak_kv_bytes / 2**20:.2f}", f"{out.meta['kv_pool_bytes'] / 2**20:.2f}"
-        self.rows.append([shape, b, ctx, name, self._ms(t), vs_hf, vs_dense, f"{peak / 2**30:.2f}", kv, pool])
+            extra = ran(out.meta, asked_graph=self.cuda_graph)
+            backend = extra["backend"]
+            graph = extra["cuda_graph"] + (" (EAGER FALLBACK)" if extra["graph_fallback"] else "")
+        self.rows.append([shape, b, ctx, name, self._ms(t), vs_hf, vs_dense, f"{peak / 2**30:.2f}", kv, pool,
+                          backend, graph])
         self._record({"model": shape, "batch": b, "context": ctx, "decoder": name, "s_per_token": t,
-                      "peak_bytes": peak, "kv_peak_mib": kv, "pool_mib": pool})
+                      "peak_bytes": peak, "kv_peak_mib": kv, "pool_mib": pool, **extra})
 
     def tf(self, shape, b, ctx, n, name, t, peak, ref) -> None:
         ratio = f"{t / ref[0]:.2f}x" if ref and not isinstance(t, str) else ""
@@ -201,7 +224,7 @@ class Report:
 
     def print_tables(self) -> None:
         print(table(["model", "B", "context", "decoder", "ms / token", "vs HF", "vs our Dense", "peak GiB",
-                     "KV MiB", "pool MiB"], self.rows))
+                     "KV MiB", "pool MiB", "backend", "CUDA graph"], self.rows))
         if self.tf_rows:
             print("\nteacher forcing vs one full forward pass (same prompt + response)\n")
             print(table(["model", "B", "context", "response", "path", "seconds", "vs full forward",
@@ -237,7 +260,8 @@ def main(argv=None) -> None:
     setup(2)
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    report = Report(torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", args.out)
+    report = Report(torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", args.out,
+                    cuda_graph=args.cuda_graph)
     print(f"# bench_decoding_gpu ({machine()}, device {report.gpu})")
     for shape in args.models.split(","):
         model = build(shape, device, dtype)

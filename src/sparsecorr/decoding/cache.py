@@ -138,12 +138,13 @@ class SparseKVCache(Cache):
         s = int(counts.max())
         dev = pool.k[0].device
         b, h = pool.k[0].shape[:2]
-        valid = (torch.arange(s, device=dev) < counts.to(dev)[:, None])[:, None, :].expand(b, h, s)
+        valid = (torch.arange(s, device=dev) < counts.to(dev, non_blocking=True)[:, None])[:, None, :].expand(b, h, s)
+        top, budgets = int(budgets.max()), budgets.to(dev, non_blocking=True)  # once, not per layer
         for i in range(self.num_layers):
             keys = pool.k[i][:, :, :s].detach()
             q = pool.win[i] if pool.win is not None else keys.new_zeros(b, keys.shape[1], 0, keys.shape[-1])
             keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=pool.pos[i][:, :, :s],
-                            budget=budgets, query_valid=query_valid)
+                            budget=budgets, query_valid=query_valid, max_budget=top)
             pool.compact(i, keep.index)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from .backends import AttentionBackend
 from .cache import SparseKVCache, Step
@@ -117,8 +118,11 @@ class Engine:
         kv_len = int((self.count + real).max())
         counts = self._dev(self.count)
         uniform = q_len == 1 and bool((self.count + 1 == kv_len).all())
-        mask = None if uniform else (torch.arange(kv_len, device=dev)
-                                     <= (counts[:, None] + torch.arange(q_len, device=dev))[:, :, None])[:, None]
+        # full rows at one count: plain causal attention aligned to the end (SDPA, no mask tensor)
+        aligned = (q_len > 1 and bool((real == q_len).all() and (self.count + q_len == kv_len).all())
+                   and not (decode and self.policy.kind == "selection"))
+        mask = None if uniform else causal_lower_right(q_len, kv_len) if aligned else (
+            torch.arange(kv_len, device=dev) <= (counts[:, None] + torch.arange(q_len, device=dev))[:, :, None])[:, None]
         st = Step(q_len=q_len, kv_len=kv_len, slots=self._dev(slots), positions=self._dev(self.ctx[:, None] + i),
                   real=self._dev(real), mask=mask, counts=counts)
         if self.policy.kind == "selection":
@@ -131,7 +135,9 @@ class Engine:
                 keep = keep_counts(self.policy, slots=qslots, budgets=budgets)
                 st.select, st.keep_max = True, int(keep.max())
                 st.query_slots, st.budgets = self._dev(qslots), self._dev(budgets)
-        st.paged = bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
+        # a paged kernel has no backward: a grad-enabled forward stays on the autograd path
+        st.paged = (bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
+                    and not torch.is_grad_enabled())
         return st
 
     def _begin_paged_step(self) -> None:

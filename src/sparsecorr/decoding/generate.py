@@ -133,7 +133,9 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     out["peak_kv_bytes"] = engine.peak_slots * engine.pool.slot_bytes()
     return RolloutBatch(**out, meta=_meta(model, policy, **base, prefill_s=t1 - t0, decode_s=t2 - t1,
                                           kv_pool_bytes=engine.pool.allocated_bytes(),
-                                          cuda_graph=engine.graphs.status if engine.graphs else "off"))
+                                          cuda_graph=engine.graphs.status if engine.graphs else "off",
+                                          graph_captures=engine.graphs.captures if engine.graphs else 0,
+                                          capture_s=engine.graphs.capture_s if engine.graphs else 0.0))
 
 
 def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,

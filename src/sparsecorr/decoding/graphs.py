@@ -17,6 +17,7 @@ the engine warns once and stays eager; ``RolloutBatch.meta["cuda_graph"]`` says 
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -74,6 +75,8 @@ class DecodeGraphs:
         self.engine = engine
         self.captured: dict[int, _Captured] = {}
         self.status = "on"
+        self.captures = 0  # graphs captured (one per batch size met)
+        self.capture_s = 0.0  # host seconds spent capturing (warm-up step included)
         self.runner = runner or CudaGraphRunner
         self.pool = torch.cuda.graph_pool_handle() if self.runner is CudaGraphRunner else None
 
@@ -120,8 +123,11 @@ class DecodeGraphs:
         static_ids = torch.zeros_like(ids)
         c = _Captured(runner=None, step=st, ids=static_ids)
         self._load(c, ids)
+        t0 = time.perf_counter()
         c.runner = self.runner(lambda: self._forward(st, static_ids), pool=self.pool,
                                windows=e.pool.win or [])
+        self.capture_s += time.perf_counter() - t0  # torch.cuda.graph syncs on entry
+        self.captures += 1
         self.captured = {b: c}  # a smaller batch never comes back: free the older graph
         return c
 
@@ -135,6 +141,9 @@ class DecodeGraphs:
             warnings.warn(f"cuda_graph: capture failed, decoding eagerly ({type(exc).__name__}: {exc})",
                           RuntimeWarning, stacklevel=2)
             self.status = f"failed: {type(exc).__name__}"
+            self.captured = {}
+            if hasattr(self.engine.cache.backend, "reset_graph"):  # eager kernels for the eager steps
+                self.engine.cache.backend.reset_graph()
             return None
         self._load(c, ids)
         if c.step.paged:

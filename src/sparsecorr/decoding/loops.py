@@ -8,14 +8,14 @@ without an EOS token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..mismatch import truncate_logits
 from .engine import Engine
 
-__all__ = ["Sampling", "decode_loop", "forced_loop", "prefill", "sample"]
+__all__ = ["Sampling", "decode_loop", "device_generator", "forced_loop", "prefill", "sample", "sample_categorical"]
 
 _BLOCK = 1 << 24  # float32 logits elements processed at once when scoring a chunk
 
@@ -27,6 +27,27 @@ class Sampling:
     top_p: float | None
     k: int  # recorded top-k (0 = none)
     generator: torch.Generator | None
+
+
+def device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """A generator on ``device`` for sampling there: ``generator`` itself when it already lives
+    on that device (or is None), else a new one seeded by one draw from ``generator`` (a host
+    draw, no device sync), so seeded runs stay reproducible. Call once per ``generate`` call."""
+    if generator is None or generator.device == torch.device(device):
+        return generator
+    seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    r"""One draw per row of ``probs [N, V]`` (unnormalised is fine): \(\arg\max_v p_v / E_v\)
+    with \(E_v \sim \mathrm{Exp}(1)\) i.i.d. (the exponential race; equivalent to Gumbel-max),
+    which is how ``torch.multinomial`` draws a single sample, so on the same generator state it
+    returns exactly ``torch.multinomial(probs, 1, generator=generator)``. The noise is drawn on
+    ``probs``' device from ``generator`` (which must live there: see `device_generator`); no
+    host sync. Shapes: ``[N, V]`` -> ``[N]``."""
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(-1)
 
 
 def sample(logits: torch.Tensor, samp: Sampling, forced: torch.Tensor | None = None):
@@ -46,7 +67,7 @@ def sample(logits: torch.Tensor, samp: Sampling, forced: torch.Tensor | None = N
     if forced is not None:
         tok = forced
     elif samp.temperature > 0:
-        tok = torch.multinomial(logp_all.exp(), 1, generator=samp.generator).squeeze(1)
+        tok = sample_categorical(logp_all.exp(), samp.generator)
     else:
         tok = logp_all.argmax(-1)
     top = logp_all.topk(min(samp.k, logp_all.shape[-1]), dim=-1) if samp.k > 0 else None
@@ -120,6 +141,7 @@ def decode_loop(engine: Engine, logits: torch.Tensor, *, prompt_len: torch.Tenso
                 samp: Sampling, eos, pruner, group_size, bar) -> dict:
     """Sample ``steps`` tokens per row (fewer for rows that stop); returns RolloutBatch fields."""
     b, dev = logits.shape[0], engine.device
+    samp = replace(samp, generator=device_generator(samp.generator, logits.device))
     rec = _Records(b, steps, samp.k, dev)
     eos_t = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=dev)
     hidden = None if pruner is None else torch.zeros(b, pruner.window, engine.model.config.hidden_size, device=dev)

@@ -4,6 +4,7 @@ run executes, on a 2-layer model)."""
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -23,3 +24,33 @@ def test_gpu_benchmark_smoke_runs_on_cpu(tmp_path, capsys):
     tf = {c["path"]: c for c in cells if "path" in c}
     assert set(tf) == {"full forward", "Dense", "RKV"}
     assert bench.SHAPES["qwen3-0.6b"]["num_hidden_layers"] == 28
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_decoding_gpu", ROOT / "benchmarks" / "bench_decoding_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_gpu_benchmark_records_what_ran(tmp_path, capsys):
+    """Each decode cell records the backend and CUDA-graph mode that actually ran; an eager
+    fallback under --cuda-graph is flagged; capture time is kept out of the per-token time."""
+    bench = _bench()
+    out = tmp_path / "cells.jsonl"
+    bench.main(["--smoke", "--out", str(out), "--no-tf"])
+    cells = [json.loads(line) for line in out.read_text().splitlines()]
+    ours = [c for c in cells if c.get("decoder") not in (None, "HF generate (sdpa)")]
+    assert len(ours) == 5 and all(c["backend"] == "torch" and c["cuda_graph"] == "off" for c in ours)
+    assert not any(c["graph_fallback"] for c in ours)
+
+    out = SimpleNamespace(peak_kv_bytes=2**20, meta={
+        "backend": "flashinfer", "cuda_graph": "failed: RuntimeError", "kv_pool_bytes": 2**20,
+        "graph_captures": 0, "capture_s": 0.0, "decode_s": 1.0})
+
+    report = bench.Report("GPU", str(tmp_path / "r.jsonl"), cuda_graph=True)
+    report.decode("m", 1, 8, "RKV", 0.01, 0, None, None, out)
+    rec = json.loads((tmp_path / "r.jsonl").read_text())
+    assert rec["graph_fallback"] and rec["backend"] == "flashinfer" and "EAGER FALLBACK" in report.rows[0][-1]
+    meta = {"decode_s": 3.0, "capture_s": 1.0}
+    assert bench.decode_seconds_per_token(meta, 5) == 0.5

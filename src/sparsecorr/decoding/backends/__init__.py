@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .base import AttentionBackend
@@ -20,6 +22,7 @@ __all__ = [
 ]
 
 NAMES = ("auto", "torch", "reference", "flashinfer")
+_AUTO_WARNED: set[str] = set()  # "auto" fallback messages already shown (warn once per error)
 
 
 def choose_backend(name: str, *, device: torch.device | str, flashinfer_ok: bool) -> str:
@@ -38,8 +41,10 @@ def get_backend(name: str | AttentionBackend = "auto", *, device: torch.device |
     """A backend by name for a model on ``device`` (an object with ``attend`` is returned as is).
 
     ``"auto"`` picks ``"flashinfer"`` on CUDA when ``flashinfer-python`` is installed and
-    ``"torch"`` otherwise; ``"flashinfer"`` raises `BackendUnavailableError` saying what is
-    missing (no CUDA, no package) rather than falling back silently.
+    ``"torch"`` otherwise; if FlashInfer is installed but cannot be imported (a broken or
+    partial install), ``"auto"`` falls back to ``"torch"`` and warns once, naming the error.
+    ``"flashinfer"`` raises `BackendUnavailableError` saying what is missing (no CUDA, no
+    package) rather than falling back silently.
     """
     if not isinstance(name, str) and hasattr(name, "attend"):
         return name
@@ -54,6 +59,16 @@ def get_backend(name: str | AttentionBackend = "auto", *, device: torch.device |
         return ReferenceBackend()
     from .flashinfer import BackendUnavailableError, flashinfer_backend
 
+    if name == "auto":
+        try:
+            return flashinfer_backend()
+        except Exception as exc:
+            msg = f"{type(exc).__name__}: {exc}"
+            if msg not in _AUTO_WARNED:
+                _AUTO_WARNED.add(msg)
+                warnings.warn(f"backend='auto': FlashInfer is installed but failed to load ({msg}); "
+                              "using backend='torch'", RuntimeWarning, stacklevel=2)
+            return TorchBackend()
     backend = flashinfer_backend()  # raises when CUDA or the package is missing
     if torch.device(device).type != "cuda":
         raise BackendUnavailableError(f"backend='flashinfer': the model is on {device}; move it to a "

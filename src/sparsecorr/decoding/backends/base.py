@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 __all__ = ["AttentionBackend"]
 
@@ -22,8 +23,10 @@ __all__ = ["AttentionBackend"]
 class AttentionBackend(Protocol):
     """What a decoding backend implements.
 
-    ``allowed`` is ``None`` (every slot) or a bool mask broadcastable to ``[B, H_kv, Q, S]``
-    (the engine passes ``[B, 1, Q, S]`` when every KV head reads the same slots). A backend
+    ``allowed`` is ``None`` (every slot), a ``torch.nn.attention.bias.CausalBias`` (causal,
+    aligned to the last slot: a chunk of full rows at one length) or a bool mask broadcastable
+    to ``[B, H_kv, Q, S]`` (the engine passes ``[B, 1, Q, S]`` when every KV head reads the same
+    slots). A backend
     that also defines ``paged = True`` and the methods of
     [`PagedBackend`][sparsecorr.decoding.backends.paged.PagedBackend] reads single-token
     decode steps through page tables instead.
@@ -36,4 +39,4 @@ class AttentionBackend(Protocol):
     name: str
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               allowed: torch.Tensor | None, *, scaling: float) -> torch.Tensor: ...
+               allowed: torch.Tensor | CausalBias | None, *, scaling: float) -> torch.Tensor: ...

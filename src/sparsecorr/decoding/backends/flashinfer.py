@@ -102,7 +102,7 @@ class FlashInferDecode:
         self.device = torch.device(device)
         self.group_size, self.head_dim = group_size, head_dim
         tc = needs_tensor_cores(group_size) if use_tensor_cores is None else use_tensor_cores
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)  # "must be zeroed"
         graph = {}
         if graph_buffers is not None:  # fixed indptr / indices / last_page_len: CUDA-graph mode
             graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=graph_buffers[0],
@@ -111,13 +111,23 @@ class FlashInferDecode:
             workspace, "NHD", use_tensor_cores=tc, **graph
         )
         self.use_tensor_cores = tc
+        self._fence: torch.cuda.Event | None = None  # recorded after each plan (see `plan`)
 
     def plan(self, table: PageTable, *, dtype: torch.dtype, scale: float | None = None) -> None:
-        """Plan one decode step for ``table`` (call once per step; reused by every layer)."""
+        """Plan one decode step for ``table`` (call once per step; reused by every layer).
+
+        ``indptr`` and ``last_page_len`` go to FlashInfer on the host (CPU int32): it reads them
+        there and copies them to the device without blocking (given device tensors, it would copy
+        them back, a sync each). Its ``plan`` then stages the plan in a page-locked host buffer and
+        copies it asynchronously, so before rewriting that buffer the host waits for the previous
+        plan's copy: one event fence per plan, the only host wait of a step.
+        """
+        if self._fence is not None:
+            self._fence.synchronize()
         self._wrapper.plan(
-            table.indptr.to(self.device),
-            table.indices.to(self.device),
-            table.last_page_len.to(self.device),
+            table.indptr.cpu(),
+            table.indices.to(self.device, non_blocking=True),
+            table.last_page_len.cpu(),
             self.group_size,  # query heads per request
             1,  # one KV head per request
             self.head_dim,
@@ -126,12 +136,15 @@ class FlashInferDecode:
             kv_data_type=dtype,
             sm_scale=scale if scale is not None else self.head_dim**-0.5,
         )
+        self._fence = torch.cuda.Event()
+        self._fence.record()
 
-    def run(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of ``q`` over the planned pages; LSE converted to natural log."""
+    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *, return_lse: bool = True):
+        """Attention of ``q`` over the planned pages: ``(out, lse)`` with the LSE converted to
+        natural log, or ``out`` alone with ``return_lse=False`` (no LSE computed)."""
         kv = (k_pool.unsqueeze(2), v_pool.unsqueeze(2))  # NHD pages: [P, page_size, 1, D]
+        if not return_lse:
+            return self._wrapper.run(q, kv, return_lse=False)
         out, lse2 = self._wrapper.run(q, kv, return_lse=True)
         return out, lse2.float() * math.log(2.0)
 

@@ -28,33 +28,61 @@ __all__ = ["DecodeKernel", "PagedBackend", "ReferenceDecodeKernel"]
 
 
 class DecodeKernel(Protocol):
-    """A paged decode-attention kernel: plan once per step, run once per layer."""
+    """A paged decode-attention kernel: plan once per step, run once per layer.
+
+    ``plan`` takes the table's ``indptr`` and ``last_page_len`` on the host (CPU int32) and its
+    ``indices`` on the device; with ``graph_buffers`` (CUDA-graph mode) it copies the tables into
+    those fixed buffers and ``run`` reads them there, for a fixed number of requests. ``run``
+    has no backward (FlashInfer's kernels have none): a grad-enabled forward must not use it.
+    """
 
     def plan(self, table: PageTable, *, dtype: torch.dtype, scale: float | None = None) -> None: ...
 
-    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *,
+            return_lse: bool = True): ...
 
 
 class ReferenceDecodeKernel:
     """[`paged_attention_reference`][sparsecorr.decoding.backends.paging.paged_attention_reference]
-    behind the kernel interface (float32, any device; slow, for tests)."""
+    behind the kernel interface (float32, any device; slow, for tests). It keeps FlashInfer's
+    contract, so the CPU tests exercise what the GPU kernel relies on: with ``graph_buffers``,
+    ``plan`` copies the tables into them (and refuses a different number of requests) and
+    ``run`` reads them at run time; the output carries no gradient."""
 
-    def __init__(self, **_: object) -> None:
+    def __init__(self, *, graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 **_: object) -> None:
         self.table: PageTable | None = None
         self.scale: float | None = None
+        self.buffers = graph_buffers
 
     def plan(self, table: PageTable, *, dtype: torch.dtype, scale: float | None = None) -> None:
-        self.table, self.scale = table, scale
+        self.scale = scale
+        if self.buffers is None:
+            self.table = table
+            return
+        indptr, indices, last = self.buffers
+        if table.num_requests != last.numel():
+            raise ValueError(f"table: the batch size should be fixed in cuda-graph mode: expected "
+                             f"{last.numel()} requests, got {table.num_requests}")
+        nnz = table.indices.numel()
+        indptr.copy_(table.indptr)
+        if indices.data_ptr() != table.indices.data_ptr():
+            indices[:nnz].copy_(table.indices)
+        last.copy_(table.last_page_len)
+        self.table = PageTable(indptr=indptr, indices=indices, last_page_len=last, page_size=table.page_size)
 
-    def run(self, q, k_pool, v_pool):
-        return paged_attention_reference(q, k_pool, v_pool, self.table, scale=self.scale)
+    def run(self, q, k_pool, v_pool, *, return_lse: bool = True):
+        with torch.no_grad():
+            out, lse = paged_attention_reference(q, k_pool, v_pool, self.table, scale=self.scale)
+        return (out, lse) if return_lse else out
 
 
 class PagedBackend:
     """Decode steps through a paged kernel; prefill and multi-token chunks through SDPA.
 
     Args:
-        kernel_factory: ``(device=..., group_size=..., head_dim=...) -> DecodeKernel``.
+        kernel_factory: ``(device=..., group_size=..., head_dim=..., graph_buffers=None) ->
+            DecodeKernel``.
         name: recorded in ``RolloutBatch.meta["backend"]``.
     """
 
@@ -64,6 +92,10 @@ class PagedBackend:
         self.name = name
         self._factory = kernel_factory
         self._chunks = TorchBackend()
+        self.reset_graph()
+
+    def reset_graph(self) -> None:
+        """Back to eager kernels (planned for any batch size); called when a capture fails."""
         self._dense: DecodeKernel | None = None
         self._sparse: DecodeKernel | None = None
         self._buffer: torch.Tensor | None = None
@@ -76,20 +108,24 @@ class PagedBackend:
     def enable_graph(self, *, batch: int, heads: int, pages_per_row: int, keep_cap: int, group: int,
                      head_dim: int, device: torch.device) -> None:
         """Kernels with fixed table buffers for ``batch`` rows (CUDA graphs): ``plan`` copies each
-        step's table into them, and a captured step reads them at fixed addresses."""
+        step's table into them, and a captured step reads them at fixed addresses. A selection
+        kernel (``keep_cap > 0``) gets its own buffers; the backend writes its ``indptr``."""
         r = batch * heads
         i32 = dict(dtype=torch.int32, device=device)
         self._graph = True
         self._dense = self._factory(device=device, group_size=group, head_dim=head_dim, graph_buffers=(
             torch.zeros(r + 1, **i32), torch.zeros(r * pages_per_row, **i32), torch.zeros(r, **i32)))
-        self._indptr, self._buffer = torch.zeros(r + 1, **i32), torch.zeros(r * keep_cap + 1, **i32)
-        self._sparse = self._factory(device=device, group_size=group, head_dim=head_dim,
-                                     graph_buffers=(self._indptr, self._buffer, torch.zeros(r, **i32)))
+        self._sparse = self._indptr = self._buffer = None
+        if keep_cap > 0:
+            self._indptr, self._buffer = torch.zeros(r + 1, **i32), torch.zeros(r * keep_cap + 1, **i32)
+            self._sparse = self._factory(device=device, group_size=group, head_dim=head_dim,
+                                         graph_buffers=(self._indptr, self._buffer, torch.zeros(r, **i32)))
 
     def begin_step(self, *, lengths: torch.Tensor, keep: torch.Tensor | None, heads: int,
                    group: int, head_dim: int, pages_per_row: int, page_size: int,
                    dtype: torch.dtype, scale: float, device: torch.device) -> None:
-        """Plan one decode step (host work; no per-layer planning).
+        """Plan one decode step (host work; no per-layer planning, no blocking copy: the kernel
+        gets ``indptr`` / ``last_page_len`` on the host, the rest moves with non-blocking copies).
 
         Shapes:
             lengths: ``[B]`` CPU, slots each row attends after this step's write; keep: ``[B]``
@@ -97,27 +133,31 @@ class PagedBackend:
         """
         if self._dense is None:
             self._dense = self._factory(device=device, group_size=group, head_dim=head_dim)
-            self._sparse = self._factory(device=device, group_size=group, head_dim=head_dim)
         geo = dict(heads=heads, pages_per_row=pages_per_row, page_size=page_size)
         self._pages_per_row = pages_per_row
         table = dense_page_table(lengths, device=device, **geo)
         self._dense.plan(table, dtype=dtype, scale=scale)
         if keep is None:
             return
+        if self._sparse is None:  # only selection policies plan a second (sparse) table
+            self._sparse = self._factory(device=device, group_size=group, head_dim=head_dim)
         counts = keep.long().cpu().repeat_interleave(heads)
         indptr = torch.zeros(counts.numel() + 1, dtype=torch.int32)
         indptr[1:] = counts.cumsum(0).to(torch.int32)
         nnz = int(indptr[-1])
-        if not self._graph:  # fresh buffers (graph mode: the fixed ones, refilled by plan)
+        if self._graph:  # the fixed buffers: written here, not left to the kernel's plan
+            self._indptr.copy_(indptr, non_blocking=True)
+        else:
             self._buffer = torch.zeros(nnz + 1, dtype=torch.int32, device=device)
-            self._indptr = indptr.to(device)
+            self._indptr = indptr.to(device, non_blocking=True)
         self._sparse.plan(PageTable(indptr=indptr, indices=self._buffer[:nnz],
                                     last_page_len=table.last_page_len, page_size=page_size),
                           dtype=dtype, scale=scale)
 
     def decode(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *,
                selected: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """One layer's decode attention.
+        """One layer's decode attention (no backward: the engine never routes a grad-enabled
+        forward here).
 
         Shapes:
             query ``[B, H_q, 1, D]``; k_pool, v_pool ``[B, H_kv, C, D]`` (the whole pool);
@@ -130,6 +170,6 @@ class PagedBackend:
             scatter_selected_pages(self._buffer, self._indptr, *selected, pages_per_row=self._pages_per_row)
             kernel = self._sparse
         ps = k_pool.shape[2] // self._pages_per_row
-        out, _ = kernel.run(query.reshape(b * h, hq // h, d), k_pool.reshape(-1, ps, d),
-                            v_pool.reshape(-1, ps, d))
+        out = kernel.run(query.reshape(b * h, hq // h, d), k_pool.reshape(-1, ps, d),
+                         v_pool.reshape(-1, ps, d), return_lse=False)
         return out.to(query.dtype).reshape(b, hq, 1, d)

@@ -73,7 +73,8 @@ def dense_page_table(lengths: torch.Tensor, *, heads: int, pages_per_row: int, p
     ``B · H_kv · pages_per_row`` pages; request ``r = b · H_kv + h`` reads pages
     ``r · pages_per_row + 0 … ⌈length_b / page_size⌉ - 1``. ``indptr`` and ``last_page_len``
     are built on the host from the host-side ``lengths`` (known to the engine without a device
-    sync); ``indices`` is built on ``device`` with a sized ``repeat_interleave`` (no sync).
+    sync) and stay there (a paged kernel's ``plan`` reads them on the host); ``indices`` is built
+    on ``device`` with a sized ``repeat_interleave`` and non-blocking copies (no sync).
 
     Shapes:
         lengths: ``[B]`` (CPU, each >= 1) -> ``R = B · H_kv`` requests.
@@ -83,9 +84,10 @@ def dense_page_table(lengths: torch.Tensor, *, heads: int, pages_per_row: int, p
     counts = n_pages.repeat_interleave(heads)
     indptr = _csr(counts)
     nnz = int(indptr[-1])
-    req = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts.to(device),
+    nb = dict(non_blocking=True)  # fresh host tensors: staged, no stream sync
+    req = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts.to(device, **nb),
                                   output_size=nnz)
-    k = torch.arange(nnz, device=device) - indptr[:-1].to(device).long()[req]
+    k = torch.arange(nnz, device=device) - indptr[:-1].to(device, **nb).long()[req]
     return PageTable(indptr=indptr, indices=(req * pages_per_row + k).to(torch.int32),
                      last_page_len=(lengths - (n_pages - 1) * page_size).repeat_interleave(heads).to(torch.int32),
                      page_size=page_size)

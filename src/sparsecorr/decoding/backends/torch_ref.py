@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias
 
 __all__ = ["ReferenceBackend", "TorchBackend"]
 
@@ -16,7 +17,9 @@ class TorchBackend:
     ``[B, H_kv, S, D]`` cache), so K/V are never repeated per query head; longer chunks use
     ``enable_gqa`` on CPU and, on CUDA, repeat one layer's K/V per query head when a mask is
     needed (the fused kernels that take a mask do not take GQA). A query with no allowed slot
-    never occurs: the engine always lets a query read its own slot.
+    never occurs: the engine always lets a query read its own slot. A chunk whose rows are all
+    full and at one length comes as a ``CausalBias`` (``causal_lower_right``): SDPA then runs its
+    causal kernel with ``enable_gqa`` (flash on CUDA), with no mask tensor and no K/V copy.
     """
 
     name = "torch"
@@ -30,6 +33,9 @@ class TorchBackend:
             q = query.reshape(b, hkv, g, d)
             out = F.scaled_dot_product_attention(q, key, value, attn_mask=allowed, scale=scaling)
             return out.reshape(b, hq, 1, d)
+        if isinstance(allowed, CausalBias):  # full, aligned rows: causal, no mask tensor, no K/V copy
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling,
+                                                  enable_gqa=g > 1)
         if allowed is not None and allowed.shape[1] not in (1, hq):
             allowed = allowed.repeat_interleave(g, dim=1)  # per-KV-head mask -> per query head
         if g > 1 and allowed is not None and query.is_cuda:
@@ -54,6 +60,8 @@ class ReferenceBackend:
         g = hq // hkv
         qf = query.float().reshape(b, hkv, g, q, d)
         logits = torch.einsum("bhgqd,bhsd->bhgqs", qf, key.float()) * scaling
+        if isinstance(allowed, CausalBias):
+            allowed = allowed._materialize(query.device)[None, None]  # [1, 1, Q, S]
         if allowed is not None:
             logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with nothing allowed -> 0

@@ -96,7 +96,7 @@ def _protected(policy: KVPolicy, valid: torch.Tensor, positions: torch.Tensor) -
 
 def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
              positions: torch.Tensor, budget: int | torch.Tensor,
-             query_valid: torch.Tensor | None = None) -> KeepSet:
+             query_valid: torch.Tensor | None = None, max_budget: int | None = None) -> KeepSet:
     """Keep the ``budget`` best-scored valid slots of every (sequence, KV head).
 
     Sinks and the recent window always survive; invalid slots never do; equal scores are
@@ -104,14 +104,17 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     than ``sink + window``, the most recent protected tokens are the ones kept. ``budget`` may be a
     ``[B]`` tensor (one budget per sequence, e.g. from a schedule). ``query_valid`` (``[B, W]``)
     marks the real observation-window queries; it is passed to ``policy.score`` only when given.
+    ``max_budget`` (the host-known maximum of ``budget``) lets a caller pass ``budget`` already on
+    the device without a sync (the engine moves its budgets once per compression, not per layer).
 
     Returns:
         `KeepSet` with ``K = max budget`` columns, sorted by position.
     """
     b, _, s = valid.shape
     budgets = torch.as_tensor(budget).reshape(-1).long()
-    k = int(min(int(budgets.max()), s))  # no device sync when budget is an int or a CPU tensor
-    budgets = budgets.to(valid.device).expand(b)
+    top_budget = int(budgets.max()) if max_budget is None else max_budget  # no sync: host or given
+    k = int(min(top_budget, s))
+    budgets = budgets.to(valid.device, non_blocking=True).expand(b)
     extra = {} if query_valid is None else {"query_valid": query_valid}
     scores = policy.score(keys=keys, queries=queries, valid=valid, positions=positions, **extra).double()
     # ties (frequent after max pooling) go to the more recent token, by true position, so the
