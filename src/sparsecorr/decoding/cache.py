@@ -66,7 +66,7 @@ class SparseKVCache(Cache):
         self.step: Step | None = None
 
     # -- transformers.Cache API -------------------------------------------------------------
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
         st = self.step
         self.pool.write(layer_idx, key_states, value_states, st.slots, st.positions)
         return self.pool.k[layer_idx][:, :, :st.kv_len], self.pool.v[layer_idx][:, :, :st.kv_len]

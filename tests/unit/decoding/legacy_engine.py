@@ -29,7 +29,7 @@ class LegacyCache(Cache):
         self.new_pos = self.new_valid = self.budgets = None
         self.seen = None
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
         b, h, q, _ = key_states.shape
         pos = self.new_pos[:, None, :].expand(b, h, q)
         val = self.new_valid[:, None, :].expand(b, h, q)
