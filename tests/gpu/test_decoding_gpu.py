@@ -71,9 +71,10 @@ def _replay_logp(model, ids, am, tokens, *, policy, budget, backend, cuda_graph)
     """Log-probs of ``tokens [B, T]`` fed one decode step at a time (as ``generate`` feeds its own
     samples), eagerly or through the captured graph step; column 0 comes from the prefill."""
     from sparsecorr.decoding.backends import get_backend
-    from sparsecorr.decoding.cache import active_cache
+    from sparsecorr.decoding.cache import ATTN_NAME, active_cache
     from sparsecorr.decoding.engine import Engine, pool_capacity
-    from sparsecorr.decoding.generate import _prompts, _sparse_attention
+    from sparsecorr.decoding.generate import _prompts
+    from sparsecorr.decoding.hf import sparse_attention
     from sparsecorr.decoding.loops import prefill
     from sparsecorr.decoding.validate import budget_table
 
@@ -87,7 +88,7 @@ def _replay_logp(model, ids, am, tokens, *, policy, budget, backend, cuda_graph)
                     grad=False, cuda_graph=cuda_graph)
     tokens = tokens.to(param.device)
     out = []
-    with _sparse_attention(model), active_cache(engine.cache), torch.no_grad():
+    with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad():
         logits = prefill(engine, ids, lens, 256)
         engine.compress_due()
         for i in range(t):
@@ -141,9 +142,9 @@ def test_sampling_with_a_cpu_generator_on_cuda():
 
 def test_decode_step_issues_no_host_sync():
     from sparsecorr.decoding.backends import TorchBackend
-    from sparsecorr.decoding.cache import active_cache
+    from sparsecorr.decoding.cache import ATTN_NAME, active_cache
     from sparsecorr.decoding.engine import Engine, pool_capacity
-    from sparsecorr.decoding.generate import _sparse_attention
+    from sparsecorr.decoding.hf import sparse_attention
     from sparsecorr.decoding.loops import prefill
     from sparsecorr.decoding.validate import budget_table
 
@@ -154,7 +155,7 @@ def test_decode_step_issues_no_host_sync():
         table = budget_table(256, dense=policy.kind == "dense", longest=ids.shape[1] + 8)
         engine = Engine(model, policy=policy, backend=TorchBackend(), table=table, batch=ids.shape[0],
                         capacity=pool_capacity(policy, table, longest=ids.shape[1] + 8, chunk=256), grad=False)
-        with _sparse_attention(model), active_cache(engine.cache), torch.no_grad():
+        with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad():
             logits = prefill(engine, ids, lens, 256)
             engine.compress_due()
             tok = logits.argmax(-1)[:, None]

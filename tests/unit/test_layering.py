@@ -61,3 +61,32 @@ def test_layers_import_only_downwards(path: Path) -> None:
         private = [n for n in names if n.startswith("_")]
         assert not private and not any(p.startswith("_") for p in module.split(".")[2:]), (
             f"{path.relative_to(SRC)} imports private {private or module} from another layer")
+
+
+#: transformers names a module may import outside the adapter: the public loading API only
+PUBLIC_TRANSFORMERS = {"AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "PreTrainedModel"}
+#: spellings of transformers internals that only the adapter may use
+INTERNALS = ("past_key_values", "_attn_implementation", "set_attn_implementation", "AttentionInterface",
+             "cache_utils")
+
+
+@pytest.mark.parametrize("path", sorted(p for p in SRC.rglob("*.py") if p.name != "hf.py"),
+                         ids=lambda p: str(p.relative_to(SRC)))
+def test_only_the_adapter_touches_transformers_internals(path: Path) -> None:
+    """Everything the engine needs from a Hugging Face model goes through
+    ``sparsecorr.decoding.hf`` (issue 24): other modules import only transformers' public loading
+    API, and name none of the internals the adapter wraps."""
+    for module, names in _imports(path):
+        if module == "transformers" or module.startswith("transformers."):
+            assert module == "transformers" and set(names) <= PUBLIC_TRANSFORMERS, (
+                f"{path.relative_to(SRC)} imports {module}:{names}; go through sparsecorr.decoding.hf")
+    code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+    tree = ast.parse(code)
+    strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    docstrings = {ast.get_docstring(n) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))} - {None}
+    names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+            {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+            {k.arg for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords if k.arg}
+    used = {s for s in INTERNALS if s in names or any(s in t for t in strings - docstrings)}
+    assert not used, f"{path.relative_to(SRC)} uses transformers internals {sorted(used)}: go through sparsecorr.decoding.hf"

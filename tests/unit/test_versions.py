@@ -83,3 +83,14 @@ def test_the_tested_transformers_range_is_the_declared_one():
     assert lowest in declared
     assert any(s.operator == ">=" and Version(s.version) <= lowest for s in declared)
     assert _lock()["transformers"] in declared
+
+
+def test_the_decoding_guard_checks_the_declared_range():
+    """The adapter's guard (sparsecorr.decoding.hf.SUPPORTED) is the declared range, and the
+    versions it names as tested are the lowest end and the lock's."""
+    from sparsecorr.decoding import hf
+
+    declared = next(r.specifier for w, r in _requirements()
+                    if w == "pyproject.toml[]" and r.name == "transformers")
+    assert hf.SUPPORTED == declared
+    assert hf.TESTED == (_makefile("TRANSFORMERS_LOWEST"), str(_lock()["transformers"]))

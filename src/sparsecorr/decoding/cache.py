@@ -1,8 +1,8 @@
-r"""The sparse KV cache (a ``transformers.Cache`` subclass) and the attention hook.
+r"""The sparse KV cache (a transformers cache, through [`hf`][sparsecorr.decoding.hf]) and the attention hook.
 
 The cache writes each forward's K/V into the preallocated [`KVPool`][sparsecorr.decoding.pool.KVPool]
 at the slots the engine planned (``Step``), and the attention function registered with
-``transformers.AttentionInterface`` under the name ``"sparsecorr"`` reads the active cache from
+transformers' attention interface under the name ``"sparsecorr"`` reads the active cache from
 a context variable and attends: every row's valid slots are ``[0, count_b)``, so a query at
 slot \(j\) may read slots \(\le j\) (one ``[B, 1, Q, S]`` mask built once per forward and shared
 by every layer; none at all for a single-token step of equal-length rows). Selection policies
@@ -18,10 +18,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache
 
 from .backends import AttentionBackend
+from .hf import CacheBase, register_attention
 from .policies import KVPolicy, compress, page_means, pages_to_mask, select_pages
 from .pool import KVPool
 
@@ -56,26 +55,22 @@ class Step:
     paged: bool = False  # single-token step through the backend's page tables
 
 
-class SparseKVCache(Cache):
+class SparseKVCache(CacheBase):
     """Writes into a [`KVPool`][sparsecorr.decoding.pool.KVPool] per the engine's ``Step``."""
 
     def __init__(self, pool: KVPool, *, policy: KVPolicy, backend: AttentionBackend) -> None:
-        super().__init__(layers=[])
+        super().__init__(len(pool.k))
         self.pool, self.policy, self.backend = pool, policy, backend
-        self.num_layers = len(pool.k)
         self.step: Step | None = None
 
-    # -- transformers.Cache API -------------------------------------------------------------
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
+    # -- the cache protocol of hf.CacheBase ---------------------------------------------------
+    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         st = self.step
-        self.pool.write(layer_idx, key_states, value_states, st.slots, st.positions)
+        self.pool.write(layer_idx, key, value, st.slots, st.positions)
         return self.pool.k[layer_idx][:, :, :st.kv_len], self.pool.v[layer_idx][:, :, :st.kv_len]
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
+    def seq_length(self) -> int:
         return 0 if self.step is None else self.step.kv_len
-
-    def __len__(self) -> int:
-        return self.num_layers
 
     # -- engine side --------------------------------------------------------------------------
     def attend(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
@@ -157,14 +152,12 @@ def active_cache(cache: SparseKVCache) -> Iterator[SparseKVCache]:
         _ACTIVE.reset(token)
 
 
-def sparsecorr_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``AttentionInterface`` function: attention over the active cache's kept / selected slots."""
+def sparsecorr_attention(layer: int, query, key, value, scaling: float) -> torch.Tensor:
+    """The attention function: attention over the active cache's kept / selected slots."""
     cache = _ACTIVE.get()
     if cache is None:
         raise RuntimeError("sparsecorr attention used outside sparsecorr.decoding.generate")
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = cache.attend(module.layer_idx, query, key, value, scaling)
-    return out.transpose(1, 2).contiguous(), None
+    return cache.attend(layer, query, key, value, scaling)
 
 
-AttentionInterface.register(ATTN_NAME, sparsecorr_attention)
+register_attention(ATTN_NAME, sparsecorr_attention)

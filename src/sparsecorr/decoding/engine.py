@@ -25,6 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from .backends import AttentionBackend
 from .cache import SparseKVCache, Step
+from .hf import forward, model_spec
 from .policies import KVPolicy, keep_counts
 from .pool import KVPool
 
@@ -58,12 +59,10 @@ class Engine:
 
     def __init__(self, model: PreTrainedModel, *, policy: KVPolicy, backend: AttentionBackend, table: torch.Tensor,
                  batch: int, capacity: int, grad: bool, cuda_graph: bool = False) -> None:
-        cfg = model.config
+        self.spec = spec = model_spec(model)  # refuses attention variants it would get wrong
         self.model, self.policy, self.table = model, policy, table
-        self.n_layers = cfg.num_hidden_layers
-        self.heads_q = cfg.num_attention_heads
-        self.heads_kv = getattr(cfg, "num_key_value_heads", None) or self.heads_q
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads_q
+        self.n_layers, self.heads_q, self.heads_kv = spec.layers, spec.heads_q, spec.heads_kv
+        self.head_dim = spec.head_dim
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         evicts, selects = policy.evicts, policy.kind == "selection"
@@ -148,7 +147,7 @@ class Engine:
         self.cache.backend.begin_step(
             lengths=self.count + 1, keep=keep, heads=self.heads_kv, group=self.heads_q // self.heads_kv,
             head_dim=self.head_dim, pages_per_row=self.pool.pages_per_row, page_size=self.pool.page_size,
-            dtype=self.dtype, scale=self.head_dim ** -0.5, device=self.device)
+            dtype=self.dtype, scale=self.spec.scaling, device=self.device)
 
     # -- device work ---------------------------------------------------------------------------
     def feed(self, ids: torch.Tensor, real: torch.Tensor, *, decode: bool, logits_to_keep,
@@ -166,8 +165,8 @@ class Engine:
             if st.paged:
                 self._begin_paged_step()
             self.cache.step = st
-            out = self.model(input_ids=ids, position_ids=st.positions, past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden)
+            out = forward(self.model, input_ids=ids, position_ids=st.positions, cache=self.cache,
+                          logits_to_keep=logits_to_keep, output_hidden_states=hidden)
         self.peak_slots = max(self.peak_slots, ids.shape[0] * int((self.count + real).max()))
         self.count += real
         self.ctx += real

@@ -12,9 +12,7 @@ Rows that finish (EOS) or are pruned leave the batch, freeing their compute and 
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -23,6 +21,7 @@ from tqdm.auto import tqdm
 from .backends import get_backend
 from .cache import ATTN_NAME, active_cache
 from .engine import Engine, pool_capacity
+from .hf import check_transformers, model_spec, sparse_attention
 from .loops import Sampling, decode_loop, forced_loop, prefill
 from .policies import KVPolicy
 from .rollout import RolloutBatch, blank_fields
@@ -44,16 +43,6 @@ __all__ = ["BudgetLike", "generate", "teacher_forced_logprobs"]
 
 class BudgetLike(Protocol):
     def budget_at(self, context_len: int) -> int | None: ...
-
-
-@contextlib.contextmanager
-def _sparse_attention(model) -> Iterator[None]:
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
 
 
 def _prompts(model, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +76,8 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
          eos_token_id=None, pruner=None, group_size=None, forced=None, forced_len=None, chunk_size=None,
          grad=False, cuda_graph=False, topk_requested=None) -> RolloutBatch:
     """Decode (or replay ``forced``) the non-empty rows; empty prompts get blank rows."""
+    check_transformers()
+    model_spec(model)  # refuses an attention variant up front, even for an empty batch
     param = next(model.parameters())
     device = param.device
     b_all, t_max = ids.shape[0], max_new_tokens
@@ -106,7 +97,7 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
                     capacity=pool_capacity(policy, table, longest=longest, chunk=chunk), grad=grad,
                     cuda_graph=cuda_graph)
     bar = tqdm(total=t_max, disable=not progress, desc=f"decode {policy.name}")
-    with _sparse_attention(model), active_cache(engine.cache), torch.set_grad_enabled(grad):
+    with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.set_grad_enabled(grad):
         t0 = time.perf_counter()
         logits = prefill(engine, ids, lens, chunk)
         _sync(device)

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from .cache import Step
+from .hf import forward
 
 __all__ = ["CudaGraphRunner", "DecodeGraphs", "EagerRunner"]
 
@@ -96,8 +97,8 @@ class DecodeGraphs:
         cap = e.pool.capacity
         cap_step.mask = (torch.arange(cap, device=ids.device) <= cap_step.counts[:, None])[:, None, None, :]
         e.cache.step = cap_step
-        return e.model(input_ids=ids, position_ids=cap_step.positions, past_key_values=e.cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1]
+        return forward(e.model, input_ids=ids, position_ids=cap_step.positions, cache=e.cache,
+                       logits_to_keep=1).logits[:, -1]
 
     def _load(self, c: _Captured, ids: torch.Tensor) -> None:
         e = self.engine

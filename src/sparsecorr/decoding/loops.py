@@ -144,7 +144,7 @@ def decode_loop(engine: Engine, logits: torch.Tensor, *, prompt_len: torch.Tenso
     samp = replace(samp, generator=device_generator(samp.generator, logits.device))
     rec = _Records(b, steps, samp.k, dev)
     eos_t = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=dev)
-    hidden = None if pruner is None else torch.zeros(b, pruner.window, engine.model.config.hidden_size, device=dev)
+    hidden = None if pruner is None else torch.zeros(b, pruner.window, engine.spec.hidden_size, device=dev)
     active = torch.arange(b)
     for t in range(steps):
         rows = active.to(dev, non_blocking=True)

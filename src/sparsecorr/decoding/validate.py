@@ -11,6 +11,7 @@ from numbers import Integral
 
 import torch
 
+from .hf import config_vocab_size
 from .policies import KVPolicy
 
 __all__ = ["budget_table", "check_run_args", "check_sampling", "check_token_ids", "clamp_topk", "vocab_size"]
@@ -36,7 +37,7 @@ def check_sampling(*, temperature: object, top_k: object, top_p: object) -> None
 def vocab_size(model) -> int:
     """Rows of the model's input embedding (the ids the model can read)."""
     emb = model.get_input_embeddings()
-    return int(getattr(emb, "num_embeddings", None) or model.config.vocab_size)
+    return int(getattr(emb, "num_embeddings", None) or config_vocab_size(model))
 
 
 def clamp_topk(model, logprobs_topk: int) -> int:

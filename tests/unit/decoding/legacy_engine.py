@@ -11,9 +11,8 @@ policies' scoring rules.
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache
 
+from sparsecorr.decoding.hf import CacheBase, forward, register_attention, sparse_attention
 from sparsecorr.decoding.loops import Sampling, sample
 from sparsecorr.decoding.policies import compress
 
@@ -21,15 +20,15 @@ NAME = "sparsecorr_legacy_oracle"
 _STATE: dict = {}
 
 
-class LegacyCache(Cache):
+class LegacyCache(CacheBase):
     def __init__(self, n_layers, policy):
-        super().__init__(layers=[])
+        super().__init__(n_layers)
         self.n, self.policy = n_layers, policy
         self.k, self.v, self.pos, self.valid, self.q = ([None] * n_layers for _ in range(5))
         self.new_pos = self.new_valid = self.budgets = None
         self.seen = None
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
+    def write(self, layer_idx, key_states, value_states):
         b, h, q, _ = key_states.shape
         pos = self.new_pos[:, None, :].expand(b, h, q)
         val = self.new_valid[:, None, :].expand(b, h, q)
@@ -42,11 +41,8 @@ class LegacyCache(Cache):
             self.pos[layer_idx], self.valid[layer_idx] = cat(self.pos[layer_idx], pos), cat(self.valid[layer_idx], val)
         return self.k[layer_idx], self.v[layer_idx]
 
-    def get_seq_length(self, layer_idx=0):
-        return 0 if self.k[layer_idx] is None else self.k[layer_idx].shape[2]
-
-    def __len__(self):
-        return self.n
+    def seq_length(self):
+        return 0 if self.k[0] is None else self.k[0].shape[2]
 
     def compress_if_needed(self):
         pol = self.policy
@@ -65,9 +61,8 @@ class LegacyCache(Cache):
             self.pos[i], self.valid[i] = self.pos[i].gather(2, keep.index), keep.valid
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+def _attention(layer, query, key, value, scaling):
     cache: LegacyCache = _STATE["cache"]
-    layer = module.layer_idx
     valid, kpos = cache.valid[layer], cache.pos[layer]
     allowed = valid[:, :, None, :] & (kpos[:, :, None, :] <= cache.new_pos[:, None, :, None])
     pol = cache.policy
@@ -90,13 +85,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     qf = query.float().reshape(b, hkv, hq // hkv, q, d)
-    logits = torch.einsum("bhgqd,bhsd->bhgqs", qf, key.float()) * (d ** -0.5 if scaling is None else scaling)
+    logits = torch.einsum("bhgqd,bhsd->bhgqs", qf, key.float()) * scaling
     probs = torch.softmax(logits.masked_fill(~allowed[:, :, None], float("-inf")), -1).nan_to_num(0.0)
     out = torch.einsum("bhgqs,bhsd->bhgqd", probs, value.float()).reshape(b, hq, q, d).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
-AttentionInterface.register(NAME, _attention)
+register_attention(NAME, _attention)
 
 
 def legacy_run(model, input_ids, attention_mask=None, *, policy, budget, steps, temperature=0.0,
@@ -120,15 +115,13 @@ def legacy_run(model, input_ids, attention_mask=None, *, policy, budget, steps, 
     rec["budget"] = torch.full((b, steps), -1, dtype=torch.long)
     rec["tk"], rec["ti"] = torch.full((b, steps, k), float("-inf")), torch.zeros(b, steps, k, dtype=torch.long)
     alive, lengths = torch.ones(b, dtype=torch.bool), torch.zeros(b, dtype=torch.long)
-    prev = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
     _STATE["cache"] = cache
-    try:
+    with sparse_attention(model, NAME):
         with torch.no_grad():
             pos = (m.long().cumsum(1) - 1).clamp(min=0)
             cache.new_pos, cache.new_valid = pos, m
             cache.budgets = torch.tensor([tab(int(p)) for p in plen])
-            logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = forward(model, input_ids=ids, position_ids=pos, cache=cache).logits[:, -1]
             cache.compress_if_needed()
             for t in range(steps):
                 f = None if forced is None else forced[:, t]
@@ -145,10 +138,8 @@ def legacy_run(model, input_ids, attention_mask=None, *, policy, budget, steps, 
                 cache.new_pos, cache.new_valid = (plen + t)[:, None], torch.ones(b, 1, dtype=torch.bool)
                 cache.budgets = torch.tensor([tab(int(p) + t + 1) for p in plen])
                 cache.seen = None
-                logits = model(input_ids=tok[:, None], position_ids=(plen + t)[:, None], past_key_values=cache,
-                               use_cache=True).logits[:, -1]
+                logits = forward(model, input_ids=tok[:, None], position_ids=(plen + t)[:, None],
+                                 cache=cache).logits[:, -1]
                 rec["kept"][alive, t] = (cache.seen / cache.n)[alive]
                 cache.compress_if_needed()
-    finally:
-        model.set_attn_implementation(prev)
     return {**rec, "lengths": lengths}

@@ -29,10 +29,10 @@ from sparsecorr.decoding.backends import (
     get_backend,
 )
 from sparsecorr.decoding.backends import flashinfer as fi
-from sparsecorr.decoding.cache import active_cache
+from sparsecorr.decoding.cache import ATTN_NAME, active_cache
 from sparsecorr.decoding.engine import Engine, pool_capacity
-from sparsecorr.decoding.generate import _sparse_attention
 from sparsecorr.decoding.graphs import DecodeGraphs, EagerRunner
+from sparsecorr.decoding.hf import sparse_attention
 from sparsecorr.decoding.loops import (
     Sampling,
     decode_loop,
@@ -65,7 +65,7 @@ def _decode(model, ids, policy, budget, *, backend, runner=None, steps=16, eos=N
     if runner is not None:
         engine.graphs = DecodeGraphs(engine, runner=runner)
     samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=0, generator=None)
-    with _sparse_attention(model), active_cache(engine.cache), torch.no_grad():
+    with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad():
         logits = prefill(engine, ids, lens, ids.shape[1])
         fields = decode_loop(engine, logits, prompt_len=lens, steps=steps, samp=samp, eos=eos, pruner=None,
                              group_size=None, bar=_Bar())

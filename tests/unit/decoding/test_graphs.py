@@ -7,10 +7,10 @@ import torch
 
 from sparsecorr.decoding import RKV, BlockTopK, Dense, StreamingLLM
 from sparsecorr.decoding.backends import TorchBackend
-from sparsecorr.decoding.cache import active_cache
+from sparsecorr.decoding.cache import ATTN_NAME, active_cache
 from sparsecorr.decoding.engine import Engine, pool_capacity
-from sparsecorr.decoding.generate import _sparse_attention
 from sparsecorr.decoding.graphs import DecodeGraphs, EagerRunner
+from sparsecorr.decoding.hf import sparse_attention
 from sparsecorr.decoding.loops import Sampling, decode_loop, prefill
 from sparsecorr.decoding.validate import budget_table
 from tests.models import tiny_model
@@ -30,7 +30,7 @@ def _decode(model, ids, policy, budget, *, graphs: bool, steps=20, eos=None):
         def update(self, n):
             pass
 
-    with _sparse_attention(model), active_cache(engine.cache), torch.no_grad():
+    with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad():
         logits = prefill(engine, ids, lens, ids.shape[1])
         fields = decode_loop(engine, logits, prompt_len=lens, steps=steps, samp=samp, eos=eos, pruner=None,
                              group_size=None, bar=Bar())
@@ -65,7 +65,7 @@ def test_capture_failure_falls_back_to_eager(monkeypatch):
     engine = Engine(model, policy=Dense(), backend=TorchBackend(), table=table, batch=2, capacity=11, grad=False)
     engine.graphs = DecodeGraphs(engine, runner=Broken)
     samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=3, generator=None)
-    with _sparse_attention(model), active_cache(engine.cache), torch.no_grad(), \
+    with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad(), \
             pytest.warns(RuntimeWarning, match="capture failed"):
         logits = prefill(engine, ids, lens, 5)
         got = decode_loop(engine, logits, prompt_len=lens, steps=6, samp=samp, eos=None, pruner=None,
