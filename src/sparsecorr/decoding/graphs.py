@@ -7,8 +7,9 @@ reads the **whole** pool (``kv_len`` = capacity, the row lengths in a mask built
 graph from a device copy of the slot counts) and selection policies score a fixed number of
 pages. Everything that varies per step (token ids, positions, write slots, counts, budgets) sits
 in static device buffers refreshed before each replay; compression, sampling, FlashInfer's
-``plan`` and row selection stay outside the graph. One graph is captured per batch size (rows
-that finish shrink the batch; the next step captures again).
+``plan`` and row selection stay outside the graph. One graph is captured per batch bucket: rows
+that finish stay as masked dummies until the live rows fit the next smaller power of two
+(`sparsecorr.decoding.loops.rows_to_keep`), then the batch shrinks and the next step captures.
 
 Capture runs one eager warm-up step on a side stream first (it writes the step's own K/V, which
 the replay rewrites, and shifts the observation windows, which are restored). If capture fails,
@@ -70,13 +71,14 @@ class _Captured:
 
 
 class DecodeGraphs:
-    """One captured decode forward per batch size, for an `sparsecorr.decoding.engine.Engine`."""
+    """One captured decode forward per batch size met (bucketed by the decode loop), for an
+    `sparsecorr.decoding.engine.Engine`."""
 
     def __init__(self, engine, *, runner=None) -> None:
         self.engine = engine
         self.captured: dict[int, _Captured] = {}
         self.status = "on"
-        self.captures = 0  # graphs captured (one per batch size met)
+        self.captures = 0  # graphs captured (one per batch bucket met)
         self.capture_s = 0.0  # host seconds spent capturing (warm-up step included)
         self.runner = runner or CudaGraphRunner
         self.pool = torch.cuda.graph_pool_handle() if self.runner is CudaGraphRunner else None

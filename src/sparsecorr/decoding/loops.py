@@ -137,49 +137,82 @@ def _prune(engine, pruner, hidden, active, rec, *, group_size, step):
     return ~cut
 
 
+def bucket(n: int) -> int:
+    """The CUDA-graph batch bucket of ``n`` live rows: the next power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def rows_to_keep(live: torch.Tensor, *, padded: bool) -> torch.Tensor:
+    """Engine rows to keep (CPU bool ``[B]``) once some rows finished (``live`` False).
+
+    Eager decoding keeps the live rows. CUDA-graph decoding (``padded``) keeps finished rows as
+    masked dummies while the live count stays in the batch's bucket, and otherwise shrinks the
+    batch to the live count's bucket (the live rows plus the first finished ones), so a run
+    captures one graph per power of two met, not one per batch size.
+    """
+    if not padded:
+        return live
+    target = bucket(int(live.sum()))
+    if target >= live.numel():
+        return torch.ones_like(live)
+    fill = (~live).nonzero().squeeze(1)[: target - int(live.sum())]
+    return live.clone().index_fill_(0, fill, True)
+
+
 def decode_loop(engine: Engine, logits: torch.Tensor, *, prompt_len: torch.Tensor, steps: int,
                 samp: Sampling, eos, pruner, group_size, bar) -> dict:
-    """Sample ``steps`` tokens per row (fewer for rows that stop); returns RolloutBatch fields."""
+    """Sample ``steps`` tokens per row (fewer for rows that stop); returns RolloutBatch fields.
+
+    ``active`` maps engine rows to batch rows; ``live`` marks the rows still decoding (in
+    CUDA-graph mode finished rows may stay as dummies: fed, never advanced, never recorded).
+    """
     b, dev = logits.shape[0], engine.device
     samp = replace(samp, generator=device_generator(samp.generator, logits.device))
     rec = _Records(b, steps, samp.k, dev)
     eos_t = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=dev)
     hidden = None if pruner is None else torch.zeros(b, pruner.window, engine.spec.hidden_size, device=dev)
-    active = torch.arange(b)
+    active, live = torch.arange(b), torch.ones(b, dtype=torch.bool)
     for t in range(steps):
-        rows = active.to(dev, non_blocking=True)
-        tok, lp, top = sample(logits, samp)
+        padded = not bool(live.all())
+        at = live.nonzero().squeeze(1).to(dev, non_blocking=True) if padded else None  # live engine rows
+        ids = active[live]
+        rows = ids.to(dev, non_blocking=True)
+        tok, lp, top = sample(logits[at] if padded else logits, samp)
         rec.tok[rows, t], rec.logp[rows, t] = tok, lp
         if top is not None:
             rec.tk[rows, t], rec.ti[rows, t] = top.values, top.indices
-        rec.length[active] += 1
-        rec.budget[active, t] = engine.budget_at(prompt_len[active] + t)
-        done = torch.zeros(len(active), dtype=torch.bool)
+        rec.length[ids] += 1
+        rec.budget[ids, t] = engine.budget_at(prompt_len[ids] + t)
+        done = torch.zeros(len(ids), dtype=torch.bool)
         if eos_t is not None:
             done = torch.isin(tok, eos_t).cpu()
-            for r in active[done].tolist():
+            for r in ids[done].tolist():
                 rec.finish[r] = "eos"
         bar.update(1)
         if t + 1 == steps or bool(done.all()):
             break
+        if padded:  # dummies are fed token 0
+            tok = torch.zeros(len(active), dtype=tok.dtype, device=dev).index_copy_(0, at, tok)
         if bool(done.any()):
-            keep = engine.select_rows(~done)
-            active, tok = active[keep], tok[keep.to(dev)]
+            live[live.nonzero().squeeze(1)[done]] = False
+            keep = rows_to_keep(live, padded=engine.graphs is not None and engine.graphs.status == "on")
+            if not bool(keep.all()):
+                kept = engine.select_rows(keep)
+                active, live, tok = active[kept], live[kept], tok[kept.to(dev)]
         slot = None if pruner is None else t - (pruner.detect_len - pruner.window)
         want_hidden = slot is not None and 0 <= slot < pruner.window
-        out = engine.feed(tok[:, None], torch.ones(len(active), dtype=torch.long), decode=True,
-                          logits_to_keep=1, hidden=want_hidden)
+        out = engine.feed(tok[:, None], live.long(), decode=True, logits_to_keep=1, hidden=want_hidden)
         logits = out.logits[:, -1]
-        rec.kept[active, t] = engine.attended(1)[:, 0]
+        rec.kept[active[live], t] = engine.attended(1)[live, 0]
         if want_hidden:  # hidden states of generated tokens detect_len - window ... detect_len - 1
             hidden[active.to(dev), slot] = out.hidden_states[pruner.layer][:, -1].float()
-        if pruner is not None and t + 1 == pruner.detect_len:
+        if pruner is not None and t + 1 == pruner.detect_len:  # no dummies: a pruner runs eagerly
             keep = _prune(engine, pruner, hidden, active, rec, group_size=group_size, step=t + 1)
             if not bool(keep.any()):
                 break
             if not bool(keep.all()):
                 rows_kept = engine.select_rows(keep)
-                active, logits = active[rows_kept], logits[rows_kept.to(dev)]
+                active, live, logits = active[rows_kept], live[rows_kept], logits[rows_kept.to(dev)]
         engine.compress_due()
     return rec.fields()
 

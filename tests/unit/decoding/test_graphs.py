@@ -41,8 +41,8 @@ def _decode(model, ids, policy, budget, *, graphs: bool, steps=20, eos=None):
                                     BlockTopK(page_size=4, dense_layers=1)], ids=lambda p: p.name)
 def test_static_step_equals_the_eager_step(policy):
     model = tiny_model("qwen3", num_layers=3)
-    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(0))
-    for eos in (None, [11, 63]):  # with EOS, rows leave the batch: a new capture per size
+    ids = torch.randint(3, 128, (5, 9), generator=torch.Generator().manual_seed(0))
+    for eos in (None, [11, 63]):  # with EOS, rows leave the batch: dummies, then a smaller bucket
         ref, _ = _decode(model, ids, policy, 8, graphs=False, eos=eos)
         got, engine = _decode(model, ids, policy, 8, graphs=True, eos=eos)
         assert engine.graphs.status == "on" and engine.graphs.captured
@@ -72,3 +72,36 @@ def test_capture_failure_falls_back_to_eager(monkeypatch):
                           group_size=None, bar=type("B", (), {"update": lambda self, n: None})())
     assert engine.graphs.status.startswith("failed")
     assert torch.equal(got["tokens"], ref["tokens"])
+
+
+def test_graph_batches_are_bucketed_by_powers_of_two():
+    """Issue 26 #9: rows that finish stay as masked dummies until the live count crosses a power of
+    two, so a run captures one graph per bucket met instead of one per batch size, with the same
+    tokens, log-probs and attended KV as eager decoding."""
+    model = tiny_model("qwen3", num_layers=2)
+    ids = torch.randint(3, 128, (8, 5), generator=torch.Generator().manual_seed(3))
+    free, _ = _decode(model, ids, Dense(), None, graphs=False, steps=12)
+    # an EOS set that ends the rows at many different steps
+    eos = sorted({int(free["tokens"][r, 1 + r]) for r in range(8)})
+    ref, _ = _decode(model, ids, Dense(), None, graphs=False, steps=12, eos=eos)
+    got, engine = _decode(model, ids, Dense(), None, graphs=True, steps=12, eos=eos)
+    assert torch.equal(got["tokens"], ref["tokens"]) and torch.equal(got["lengths"], ref["lengths"])
+    torch.testing.assert_close(got["rollout_logp"], ref["rollout_logp"], atol=2e-5, rtol=0)
+    torch.testing.assert_close(got["kv_kept"], ref["kv_kept"])
+    lengths = ref["lengths"]
+    live_counts = [int((lengths > t).sum()) for t in range(1, int(lengths.max()))]
+    batch, expected = 8, 1
+    for n in live_counts:
+        if n and 1 << (n - 1).bit_length() < batch:
+            batch, expected = 1 << (n - 1).bit_length(), expected + 1
+    assert engine.graphs.captures == expected < len(set(live_counts) - {0})
+
+
+def test_rows_to_keep_pads_to_the_bucket():
+    from sparsecorr.decoding.loops import bucket, rows_to_keep
+
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    live = torch.tensor([True, False, True, True, False, False])
+    assert torch.equal(rows_to_keep(live, padded=False), live)
+    assert torch.equal(rows_to_keep(live, padded=True), torch.tensor([True, True, True, True, False, False]))
+    assert rows_to_keep(torch.tensor([True] * 5 + [False]), padded=True).all()  # 5 -> bucket 8 >= 6
