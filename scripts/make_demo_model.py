@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-from sparsecorr.decoding import Dense, generate
 from sparsecorr_trl.demo.task import (
     HARD_FROM,
     PROMPT_LEN,
@@ -35,6 +34,8 @@ from sparsecorr_trl.demo.task import (
     make_prompts,
     recall_reward,
 )
+
+from sparsecorr.decoding import Dense, generate
 
 
 def greedy_reward(model, prompts: torch.Tensor, max_new_tokens: int) -> float:
