@@ -34,7 +34,7 @@ KV_FRACTION = 0.5
 _NAN = float("nan")
 #: per-seed metrics summarised per arm as mean and spread
 METRICS = ("dense_before", "dense_after", "gain", "reward_first", "reward_last_half",
-           "tokens_per_s", "peak_kv_bytes", "mismatch", "tail", "kept_frac")
+           "tokens_per_s", "peak_kv_bytes", "mismatch", "tail", "worst", "kept_frac")
 
 
 def _mean(values) -> float:
@@ -56,8 +56,10 @@ def _last(rows: list[dict], key: str) -> float:
 def summarize_seed(rs: list[dict]) -> dict:
     """One arm and seed: the dense model's held-out greedy reward before and after training
     (and the gain), sampled reward (first step, last-half mean), tokens/s (mean over the steps
-    after the first, which includes warm-up), peak KV bytes, mean k3 mismatch, mean tail of the
-    mismatch (5% quantile of ``log(old/rollout)``) and kept-token fraction of the correction."""
+    after the first, which includes warm-up), peak KV bytes, mean k3 mismatch, the tail of the
+    mismatch (mean over steps of the 5% quantile of ``log(old/rollout)``, logged only with a
+    correction, and of the worst token's ``|log(old/rollout)|``) and the correction's kept-token
+    fraction."""
     timed = rs[1:] if len(rs) > 1 else rs
     before = rs[0].get("dense_eval_reward_before", _NAN)
     after = _last(rs, "dense_eval_reward")
@@ -68,6 +70,7 @@ def summarize_seed(rs: list[dict]) -> dict:
             "peak_kv_bytes": max(r["peak_kv_bytes"] for r in rs),
             "mismatch": _mean(r.get("kl_k3", _NAN) for r in rs),
             "tail": _mean(r.get("mismatch_tail", _NAN) for r in rs),
+            "worst": _mean(r.get("mismatch_max", _NAN) for r in rs),
             "kept_frac": _mean(r.get("sparsecorr/correction/kept_token_frac", _NAN) for r in rs)}
 
 
@@ -212,8 +215,8 @@ def findings(by: dict[str, dict]) -> list[str]:
             f"adapter vs without): final greedy reward {pm(dis['dense_after'], dis['dense_after_sd'])}, "
             f"{_compare(dis['dense_after'], cor['dense_after'], tol)} without it "
             f"({pm(cor['dense_after'], cor['dense_after_sd'])}); sampled reward (last half) "
-            f"{dis['reward_last_half']:.3f} vs {cor['reward_last_half']:.3f}; mismatch tail "
-            f"{dis['tail']:.2f} vs {cor['tail']:.2f}.")
+            f"{dis['reward_last_half']:.3f} vs {cor['reward_last_half']:.3f}; mismatch 5% tail "
+            f"{dis['tail']:.2f} vs {cor['tail']:.2f} (log-ratio, 0 = none).")
     return lines
 
 
@@ -309,16 +312,21 @@ def _mismatch_plot(path: Path, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     n = _n_seeds(rows)
-    fig, ax = plt.subplots(figsize=(8, 4.6))
-    _band_plot(ax, rows, "mismatch_tail")
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set(xlabel="optimizer step",
-           ylabel="5% quantile of log(p_dense / p_sampler)",
-           title="tail of the rollout mismatch (0 = the sampler is the dense model; "
-                 + (f"band: min-max of {n} seeds)" if n > 1 else "one seed)"))
-    _style_axes(ax)
-    ax.legend(loc="lower left", fontsize=9)
-    fig.tight_layout()
+    band = f"line: mean of {n} seeds, band: min-max" if n > 1 else "one seed"
+    fig, ax = plt.subplots(1, 2, figsize=(13, 4.6))
+    _band_plot(ax[0], rows, "mismatch_max")
+    _band_plot(ax[1], rows, "mismatch_tail")
+    ax[0].set(xlabel="optimizer step", ylabel="max over tokens of |log(p_dense / p_sampler)|",
+              title=f"worst token of each step ({band})")
+    ax[1].set(xlabel="optimizer step", ylabel="5% quantile of log(p_dense / p_sampler)",
+              title="5% tail (logged by the correction: corrected arms only)")
+    for a in ax:
+        a.axhline(0, color="k", lw=0.8)
+        _style_axes(a)
+    handles, labels = ax[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
+    fig.suptitle("rollout mismatch between the sampler and the dense model (0 = none)")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=100)
 
 
@@ -385,14 +393,16 @@ def tail_table(table) -> str:
 def summary_table(summ: list[dict]) -> str:
     """Markdown table: one row per arm, mean ± spread over seeds."""
     lines = ["| arm | seeds | held-out greedy reward before -> after | gain | sampled reward "
-             "(last half) | peak KV bytes | mismatch tail (q05 log-ratio) | kept tokens | "
-             "tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
+             "(last half) | peak KV bytes (% of dense) | worst-token mismatch | mismatch 5% tail | "
+             "kept tokens | tokens/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    dense = next((s["peak_kv_bytes"] for s in summ if s["arm"] == "dense"), _NAN)
     for s in summ:
         kept = "-" if s["kept_frac"] != s["kept_frac"] else f"{100 * s['kept_frac']:.1f}%"
         lines.append(
             f"| {s['arm']} | {len(s['seeds'])} | {pm(s['dense_before'], s['dense_before_sd'])} -> "
             f"{pm(s['dense_after'], s['dense_after_sd'])} | {pm(s['gain'], s['gain_sd'])} | "
-            f"{pm(s['reward_last_half'], s['reward_last_half_sd'])} | {s['peak_kv_bytes']:.0f} | "
+            f"{pm(s['reward_last_half'], s['reward_last_half_sd'])} | {s['peak_kv_bytes']:.0f} "
+            f"({100 * s['peak_kv_bytes'] / dense:.0f}%) | {pm(s['worst'], s['worst_sd'], 2)} | "
             f"{pm(s['tail'], s['tail_sd'], 2)} | {kept} | {s['tokens_per_s']:.0f} |")
     return "\n".join(lines)
 

@@ -67,7 +67,10 @@ def _row(arm: str, seed: int, log: dict[str, float], evals: dict[int, float]) ->
            "peak_kv_bytes": int(log.get("sparsecorr/rollout/peak_kv_bytes", 0)),
            "mean_budget": float(log.get("sparsecorr/rollout/mean_budget", -1.0)),
            "kl_k3": float(log.get("sparsecorr/mismatch/kl_k3_mean", float("nan"))),
+           # the tail of the mismatch: the 5% quantile of log(old/rollout) (logged by the
+           # correction's summary, so NaN without a correction) and the worst token's |.|
            "mismatch_tail": float(log.get("sparsecorr/mismatch/log_ratio_q05", float("nan"))),
+           "mismatch_max": float(log.get("sparsecorr/mismatch/log_ratio_abs_max", float("nan"))),
            "dense_eval_reward": evals.get(step + 1, float("nan"))}
     row.update({k: float("nan") if v is None else float(v) for k, v in log.items()
                 if k.startswith("sparsecorr/")})
