@@ -116,6 +116,9 @@ def test_quick_report_comes_from_metrics_jsonl(quick_run):
     assert checked[0][1] == (d1 - d0 > report.CLEAR_GAIN)
     assert checked[2][1] == (d1 - u1 > report.ONE_SEED_MARGIN)
     assert f"{d0:.3f} to {d1:.3f}" in checked[0][2]
+    # --report-only rebuilds the same report from the run's files
+    assert main(["demo", "--report-only", "--out", str(out)]) == 0
+    assert (out / "report.md").read_text() == text
 
 
 def _rows(arm, seed, before, after, *, kv=None, kept=None, steps=3):
@@ -197,10 +200,10 @@ def test_failure_report_names_the_step_and_keeps_finished_arms(tmp_path, monkeyp
     monkeypatch.setattr(demo_run, "train_arm", train_arm)
     cfg = demo_run.DemoConfig(steps=1, prompts_per_step=1, group=2, max_new_tokens=8,
                               budgets=(8,), bin_size=8, eval_prompts=4)
-    with pytest.raises(demo_run.DemoError, match="training arm sparse-uncorrected failed"):
+    with pytest.raises(demo_run.DemoError, match=r"training arm sparse-uncorrected \(seed 0\) failed"):
         demo_run.run_demo(cfg, tmp_path, progress=False)
     text = (tmp_path / "report.md").read_text()
-    assert "failed during training arm sparse-uncorrected" in text and "simulated crash" in text
+    assert "failed during training arm sparse-uncorrected (seed 0)" in text and "simulated crash" in text
     assert "Calibration finished" in text and "| dense |" in text
 
 

@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                       help="smoke test: 3 steps of 2 prompts x 4 rollouts per arm, one seed")
     size.add_argument("--full", action="store_true",
                       help="the study: every arm over 3 seeds, reported as mean ± spread")
+    size.add_argument("--report-only", action="store_true",
+                      help="rewrite report.md and the plots of the finished run in --out from "
+                           "its metrics.jsonl (no training)")
     p.add_argument("--out", default="runs/demo", help="output directory")
     return p
 
@@ -51,7 +54,17 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .report import pm, summarize
-    from .run import DemoConfig, DemoError, run_demo
+    from .run import DemoConfig, DemoError, rerender, run_demo
+
+    if getattr(args, "report_only", False):
+        try:
+            rerender(args.out)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"sparsecorr demo: error: --report-only: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            return 1
+        print(f"report: {Path(args.out) / 'report.md'}")
+        return 0
 
     cfg = (DemoConfig.quick() if args.quick else DemoConfig.full() if getattr(args, "full", False)
            else DemoConfig())
