@@ -232,3 +232,15 @@ def test_broken_plugin_is_reported_not_raised(monkeypatch, capsys):
     assert main(["demo"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'sparsecorr[demo]'" in err and "no_such_pkg_xyz" in err
+
+
+def test_sizes_and_the_full_flag(monkeypatch, capsys):
+    full, default, quick = demo_run.DemoConfig.full(), demo_run.DemoConfig(), demo_run.DemoConfig.quick()
+    assert len(full.seeds) >= 3 and len(default.seeds) == len(quick.seeds) == 1
+    assert full.steps == default.steps and quick.steps < default.steps
+    seen = {}
+    monkeypatch.setattr(demo_run, "run_demo", lambda cfg, out: seen.setdefault("cfg", cfg) and [])
+    assert main(["demo", "--full", "--out", "x"]) == 0 and seen["cfg"] == full
+    with pytest.raises(SystemExit):
+        main(["demo", "--quick", "--full"])
+    capsys.readouterr()
