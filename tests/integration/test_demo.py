@@ -244,3 +244,25 @@ def test_sizes_and_the_full_flag(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--quick", "--full"])
     capsys.readouterr()
+
+
+def test_shipped_model_has_a_partial_skill_that_eviction_hurts():
+    """The issue's premise: the shipped model is partly trained (greedy reward 0.2-0.5 on the
+    demo's held-out prompts), and the aggressive KV budget takes most of it away."""
+    import torch
+    from sparsecorr_trl.demo.task import demo_model, make_prompts, recall_reward
+    from sparsecorr_trl.demo.train import dense_eval_reward
+
+    from sparsecorr.decoding import generate
+    from sparsecorr.decoding.policies import StreamingLLM
+
+    cfg = demo_run.DemoConfig()
+    model = demo_model().eval()
+    held_out = make_prompts(cfg.eval_prompts, cfg.prompt_len, seed=99_991)
+    dense = dense_eval_reward(model, held_out, max_new_tokens=cfg.max_new_tokens)
+    assert 0.2 <= dense <= 0.5
+    with torch.no_grad():
+        batch = generate(model, held_out, policy=StreamingLLM(sink=1), budget=cfg.aggressive_budget,
+                         temperature=0.0, max_new_tokens=cfg.max_new_tokens, logprobs_topk=0)
+    sparse = float(recall_reward(held_out, batch.tokens, batch.mask).mean())
+    assert sparse < dense / 2
