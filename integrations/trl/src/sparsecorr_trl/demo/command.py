@@ -1,4 +1,4 @@
-"""``sparsecorr demo``: calibrate -> fit a schedule -> four GRPO arms -> report.
+"""``sparsecorr demo``: calibrate -> fit a schedule -> five GRPO arms (x seeds) -> report.
 
 Provided by the ``sparsecorr-trl`` distribution through the ``sparsecorr.commands`` entry point
 (the ``sparsecorr`` CLI discovers it). ``add_parser`` is cheap; ``run`` checks every dependency
