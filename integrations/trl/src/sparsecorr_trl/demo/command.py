@@ -1,4 +1,4 @@
-"""``sparsecorr demo``: calibrate -> fit a schedule -> four GRPO arms -> report.
+"""``sparsecorr demo``: calibrate -> fit a schedule -> five GRPO arms (x seeds) -> report.
 
 Provided by the ``sparsecorr-trl`` distribution through the ``sparsecorr.commands`` entry point
 (the ``sparsecorr`` CLI discovers it). ``add_parser`` is cheap; ``run`` checks every dependency
@@ -20,16 +20,22 @@ INSTALL_HINT = "pip install 'sparsecorr[demo]'"
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", help="run the end-to-end demo on a shipped tiny model (calibrate, fit a "
-                     "schedule, train four GRPO arms, write report.md)",
-        description="Calibrate a KV budget on a shipped tiny Qwen3, fit a schedule, train four "
-                    "GRPO arms with SparseGRPOTrainer (dense; aggressive budget uncorrected; "
-                    "aggressive budget + sparse_rl(); fitted schedule + sparse_rl()) and write "
-                    "report.md with plots. It is CPU-bound; measured on 2 cores: --quick 10-12 s "
-                    "when idle, about 4 minutes when shared with other jobs; the full run about "
-                    "7 minutes with the cores partly shared.")
-    p.add_argument("--quick", action="store_true",
-                   help="3 steps of 2 prompts x 4 rollouts per arm instead of 40 steps of 8 x 8 "
-                        "(10-12 s on 2 idle cores)")
+                     "schedule, train five GRPO arms, write report.md)",
+        description="Calibrate a KV budget on a shipped tiny Qwen3 (pre-trained to a partial "
+                    "skill on a recall task), fit a schedule, train five GRPO arms with "
+                    "SparseGRPOTrainer (dense; aggressive budget uncorrected; aggressive budget "
+                    "+ sparse_rl(); fitted schedule + sparse_rl(); aggressive budget + "
+                    "DistillSparse) and write report.md with plots, checking three claims "
+                    "against the numbers. CPU-bound; see docs/getting-started.md for measured "
+                    "times on 2 cores (default: one seed, a few minutes; --full: three seeds).")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="smoke test: 3 steps of 2 prompts x 4 rollouts per arm, one seed")
+    size.add_argument("--full", action="store_true",
+                      help="the study: every arm over 3 seeds, reported as mean ± spread")
+    size.add_argument("--report-only", action="store_true",
+                      help="rewrite report.md and the plots of the finished run in --out from "
+                           "its metrics.jsonl (no training)")
     p.add_argument("--out", default="runs/demo", help="output directory")
     return p
 
@@ -47,19 +53,30 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from pathlib import Path
 
-    from .report import summarize
-    from .run import DemoConfig, DemoError, run_demo
+    from .report import pm, summarize
+    from .run import DemoConfig, DemoError, rerender, run_demo
 
-    cfg = DemoConfig.quick() if args.quick else DemoConfig()
+    if getattr(args, "report_only", False):
+        try:
+            rerender(args.out)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"sparsecorr demo: error: --report-only: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            return 1
+        print(f"report: {Path(args.out) / 'report.md'}")
+        return 0
+
+    cfg = (DemoConfig.quick() if args.quick else DemoConfig.full() if getattr(args, "full", False)
+           else DemoConfig())
     try:
         rows = run_demo(cfg, args.out)
     except DemoError as exc:
         print(f"sparsecorr demo: error: {exc}", file=sys.stderr)
         return 1
     for s in summarize(rows):
-        print(f"{s['arm']:>26}  sampled reward {s['reward_first']:.3f} -> "
-              f"{s['reward_last_half']:.3f}  dense greedy reward {s['dense_before']:.3f} -> "
-              f"{s['dense_after']:.3f}  {s['tokens_per_s']:.0f} tok/s  "
-              f"peak KV {s['peak_kv_bytes']} B")
+        print(f"{s['arm']:>26}  held-out greedy reward {pm(s['dense_before'], s['dense_before_sd'])}"
+              f" -> {pm(s['dense_after'], s['dense_after_sd'])}  sampled reward (last half) "
+              f"{s['reward_last_half']:.3f}  peak KV {s['peak_kv_bytes']:.0f} B  "
+              f"{s['tokens_per_s']:.0f} tok/s")
     print(f"report: {Path(args.out) / 'report.md'}")
     return 0

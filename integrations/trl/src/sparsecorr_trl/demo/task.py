@@ -21,6 +21,11 @@ import torch
 
 ASSET = Path(__file__).resolve().parent / "assets" / "demo_model"
 VOCAB = 64
+#: the prompt length and the response length the shipped model was pre-trained on
+PROMPT_LEN = 16
+RESPONSE_LEN = 32
+#: filler tokens from this id on are the "hard" half the shipped model recites less reliably
+HARD_FROM = 39
 FIRST_KEY = 4
 N_KEYS = 10
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")

@@ -3,8 +3,8 @@ r"""One demo arm: ``SparseGRPOTrainer`` (TRL 1.16) on the shipped model and the 
 Each arm is a ``SparseCorrConfig``: the KV policy and budget or schedule the trainer samples
 with (``sparsecorr.decoding``), and the correction its ``sparse_grpo`` loss applies. The trainer
 logs one row per optimizer step (TRL's ``log_history`` with ``logging_steps=1``); a callback adds
-the *dense* model's greedy reward on held-out prompts, which is what a sparse-rollout run must
-not damage.
+the *dense* model's greedy reward on held-out prompts (every ``eval_every`` steps and after the
+last), which is what training should raise and a sparse-rollout run must not damage.
 
 Shapes:
     prompts ``[N, P]`` token ids (the dataset holds their text); rewards per completion.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,14 +59,18 @@ def dense_eval_reward(model, prompts: torch.Tensor, *, max_new_tokens: int) -> f
     return float(recall_reward(prompts, batch.tokens, batch.mask).mean())
 
 
-def _row(arm: str, log: dict[str, float], evals: dict[int, float]) -> dict[str, Any]:
+def _row(arm: str, seed: int, log: dict[str, float], evals: dict[int, float]) -> dict[str, Any]:
     step = int(log["step"]) - 1
-    row = {"arm": arm, "step": step, "reward": float(log["reward"]),
+    row = {"arm": arm, "seed": seed, "step": step, "reward": float(log["reward"]),
            "loss": float(log.get("loss", float("nan"))),
            "tokens_per_s": float(log.get("sparsecorr/rollout/tokens_per_s", float("nan"))),
            "peak_kv_bytes": int(log.get("sparsecorr/rollout/peak_kv_bytes", 0)),
            "mean_budget": float(log.get("sparsecorr/rollout/mean_budget", -1.0)),
            "kl_k3": float(log.get("sparsecorr/mismatch/kl_k3_mean", float("nan"))),
+           # the tail of the mismatch: the 5% quantile of log(old/rollout) (logged by the
+           # correction's summary, so NaN without a correction) and the worst token's |.|
+           "mismatch_tail": float(log.get("sparsecorr/mismatch/log_ratio_q05", float("nan"))),
+           "mismatch_max": float(log.get("sparsecorr/mismatch/log_ratio_abs_max", float("nan"))),
            "dense_eval_reward": evals.get(step + 1, float("nan"))}
     row.update({k: float("nan") if v is None else float(v) for k, v in log.items()
                 if k.startswith("sparsecorr/")})
@@ -73,18 +78,24 @@ def _row(arm: str, log: dict[str, float], evals: dict[int, float]) -> dict[str, 
 
 
 def train_arm(arm: Arm, *, steps: int, prompts_per_step: int, group: int, prompt_len: int,
-              max_new_tokens: int, lr: float, seed: int, eval_prompts: int = 16,
+              max_new_tokens: int, lr: float, seed: int, held_out: torch.Tensor | None = None,
+              eval_every: int = 1, bar: Any = None,
               progress: bool = True) -> list[dict[str, Any]]:
     """Train a fresh copy of the demo model for ``steps`` GRPO steps; one row per step.
 
-    Row 0's ``dense_eval_reward`` is measured before training; row ``i`` after step ``i``.
+    Row 0's ``dense_eval_reward_before`` is measured before training; row ``i``'s
+    ``dense_eval_reward`` after step ``i + 1`` when ``(i + 1) % eval_every == 0`` or it is the
+    last step (NaN otherwise). ``held_out``: the evaluation prompts (default: 16 made from
+    ``seed``). ``bar``: a tqdm bar advanced once per step (TRL's own bar is shown instead when
+    it is None and ``progress``).
     """
     SparseCorrConfig, SparseGRPOTrainer, GRPOConfig, TrainerCallback, ProgressCallback = _trl()
     from datasets import Dataset
 
     torch.manual_seed(seed)
     model = demo_model(seed).train()
-    held_out = make_prompts(eval_prompts, prompt_len, seed=seed + 99_991)
+    if held_out is None:
+        held_out = make_prompts(16, prompt_len, seed=seed + 99_991)
     texts = prompt_text(make_prompts(steps * prompts_per_step, prompt_len, seed=seed + 1))
     data = Dataset.from_dict({"prompt": texts})
     evals = {0: dense_eval_reward(model, held_out, max_new_tokens=max_new_tokens)}
@@ -97,8 +108,16 @@ def train_arm(arm: Arm, *, steps: int, prompts_per_step: int, group: int, prompt
 
     class DenseEval(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            evals[state.global_step] = dense_eval_reward(model, held_out,
-                                                         max_new_tokens=max_new_tokens)
+            if state.global_step % eval_every == 0 or state.global_step == steps:
+                # DistillSparse wraps the model in a LoRA adapter that is on outside
+                # dense_mode: the dense model is the one with the adapter off
+                m = kwargs.get("model") or model
+                off = m.disable_adapter() if hasattr(m, "disable_adapter") else nullcontext()
+                with off:
+                    evals[state.global_step] = dense_eval_reward(m, held_out,
+                                                                 max_new_tokens=max_new_tokens)
+            if bar is not None:
+                bar.update(1)
             return control
 
     with tempfile.TemporaryDirectory(prefix="sparsecorr-demo-") as tmp:
@@ -113,7 +132,7 @@ def train_arm(arm: Arm, *, steps: int, prompts_per_step: int, group: int, prompt
                                     callbacks=[DenseEval()],
                                     sparsecorr_config=SparseCorrConfig(**arm.config))
         trainer.remove_callback(ProgressCallback)
-        if progress:
+        if progress and bar is None:
             trainer.add_callback(StepBar())
         with warnings.catch_warnings():
             # TRL 1.16's generation step reads model.is_gradient_checkpointing, which
@@ -121,7 +140,7 @@ def train_arm(arm: Arm, *, steps: int, prompts_per_step: int, group: int, prompt
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                     category=FutureWarning)
             trainer.train()
-    rows = [_row(arm.name, log, evals) for log in trainer.state.log_history if "reward" in log]
+    rows = [_row(arm.name, seed, log, evals) for log in trainer.state.log_history if "reward" in log]
     if rows:
         rows[0]["dense_eval_reward_before"] = evals[0]
     return rows
