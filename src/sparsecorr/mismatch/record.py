@@ -30,7 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_advantages, check_float_tensor, check_mask, check_same_shape, count, count_int
+from .._checks import (
+    check_advantages,
+    check_float_tensor,
+    check_mask,
+    check_same_shape,
+    count,
+    count_int,
+)
 from .._masks import row_any
 from .._ratio import LOG_RATIO_CLAMP, clamp_log_ratio
 

@@ -69,7 +69,7 @@ def reduce_metrics(d: dict[str, torch.Tensor], group: object | None = None) -> d
     """
     sums, ext = _sum_reduced(d, group), _ext_reduced(d, group)
     out: dict[str, torch.Tensor] = {}
-    for key, value in d.items():
+    for key in d:
         if key.endswith(N):
             continue
         if key.endswith(MAX) or key.endswith(MIN):
