@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LOG_RATIO_CLAMP", "clamp_log_ratio", "ratio"]
+__all__ = ["LOG_RATIO_CLAMP", "clamp_log_ratio", "ratio", "ratio_m1"]
 
 #: the one bound on every per-token log-ratio before ``exp`` (shared/DESIGN.md: ±20)
 LOG_RATIO_CLAMP = 20.0
@@ -23,3 +23,9 @@ def clamp_log_ratio(x: torch.Tensor) -> torch.Tensor:
 def ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     r"""\(e^{\mathrm{clamp}(x, \pm 20)}\) (any shape; keeps the gradient; never inf)."""
     return torch.exp(clamp_log_ratio(log_ratio))
+
+
+def ratio_m1(log_ratio: torch.Tensor) -> torch.Tensor:
+    r"""\(\rho - 1 = \mathrm{expm1}(\mathrm{clamp}(x, \pm 20))\), exact for a small \(x\) (any
+    shape; keeps the gradient): for sums of terms near the on-policy point."""
+    return torch.expm1(clamp_log_ratio(log_ratio))

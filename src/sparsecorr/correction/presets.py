@@ -203,8 +203,10 @@ def normalize(c: Correction, group: object | None = None) -> Correction:
     0 means no kept token (kept weights of the library's corrections are > 0): any scale works."""
     if c.token_weights is None:  # every kept weight is 1 already
         return c
-    total = all_reduce_sum(torch.stack([c.token_weights.sum(), count(c.mask)]), group)  # [2]
-    scale = total[1] / total[0].clamp(min=1e-30)
+    # float64 sums: the scale does not depend on how the batch is split over ranks (to rounding)
+    w_sum = c.token_weights.sum(dtype=torch.float64)
+    total = all_reduce_sum(torch.stack([w_sum, count(c.mask).double()]), group)  # [2]
+    scale = (total[1] / total[0].clamp(min=1e-30)).float()
     return Correction(mask=c.mask, token_weights=c.token_weights, scale=scale,
                       piece_metrics=c.piece_metrics, source=c.source)
 

@@ -12,7 +12,9 @@ clips and the dual clip are one clamp with per-entry bounds:
 \(\min(\rho A, \mathrm{clip}(\rho)A) = A\,\mathrm{clamp}(\rho, \ell, h)\) with \([\ell, h] =
 [0, 1+\varepsilon_h]\) for \(A \ge 0\) and \([1-\varepsilon_l, c]\) for \(A<0\); autograd then
 gives \(\partial \ell_t / \partial\,\text{logp}_t = \ell_t\) where the clamp leaves \(\rho_t\)
-unchanged and 0 where it moves it.
+unchanged and 0 where it moves it. The ratio is handled as \(\rho_t - 1\) (``expm1``) and the
+token loss as \(-w_tA + (-w_tA)\,\mathrm{clamp}(\rho_t - 1)\): near the on-policy point, where
+PPO runs, the summed loss is a sum of cancelling terms and this keeps its rounding small.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import count
-from .._ratio import LOG_RATIO_CLAMP, ratio
+from .._ratio import LOG_RATIO_CLAMP, ratio, ratio_m1
 from .aggregation import scaled_sum
 
 __all__ = ["SurrogateInputs", "SurrogateOutput", "ppo_clip_forward", "ratio_extremes"]
@@ -95,25 +97,28 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
                      dual_clip: float | None) -> SurrogateOutput:
     """Token-level weighted clipped surrogate, its aggregate and its metric sums (``PPOClip``)."""
     adv = x.advantages  # [B, 1] or [B, T]
-    rho = token_ratio(x)  # [B, T]
+    rho_m1 = ratio_m1(torch.where(x.kept, x.logp.float() - x.old_logp, 0.0))  # [B, T], 0 off kept
     pos = adv >= 0
-    lo = torch.where(pos, 0.0, 1.0 - clip_low)  # [B, 1] or [B, T]
-    hi = torch.where(pos, 1.0 + clip_high, HUGE if dual_clip is None else dual_clip)
-    clipped = torch.clamp(rho, lo, hi)  # [B, T]
-    token_loss = torch.where(x.kept, x.neg_weighted_adv * clipped, 0.0)  # [B, T]
+    lo_m1 = torch.where(pos, -1.0, -clip_low)  # [B, 1] or [B, T]: the bounds on rho - 1
+    hi_m1 = torch.where(pos, clip_high, (HUGE if dual_clip is None else dual_clip) - 1.0)
+    clipped_m1 = torch.clamp(rho_m1, lo_m1, hi_m1)  # [B, T]
+    # (1 + clipped)(-w A): the on-policy part -w A exactly, the ratio's move beside it
+    token_loss = torch.where(x.kept, x.neg_weighted_adv + x.neg_weighted_adv * clipped_m1, 0.0)
     loss = scaled_sum(token_loss, x.scales)
+    rho = rho_m1 + 1.0  # [B, T], with its gradient (the KL bias correction reads it)
 
     def sums() -> dict[str, torch.Tensor]:
-        r = rho.detach()
-        above, below = x.kept & (r > hi), x.kept & (r < lo)
+        r = rho_m1.detach()
+        above, below = x.kept & (r > hi_m1), x.kept & (r < lo_m1)
         out = {"loss/clip_frac_low": count(below), "loss/clip_frac_high": count(above & pos)}
         if dual_clip is not None:
             out["loss/clip_frac_dual"] = count(above & ~pos)
         else:  # a ratio pinned at e^{+20} on an A < 0 token counts as clipped above
             out["loss/clip_frac_high"] = count(above)
-        out.update(ratio_sums(x, r))
+        out["loss/ratio_mean"] = x.n + r.sum()  # rho - 1 is 0 off the kept tokens
+        out["loss/ppo_kl_k1_mean"] = -x.log_ratio.sum()
         if x.full_metrics:
-            out.update(ratio_extremes(r, x.kept, x.n))
+            out.update(ratio_extremes(rho.detach(), x.kept, x.n))
         return out
 
     return SurrogateOutput(token_loss, loss, ratio=rho.detach(), kl_ratio=rho, sums=sums)
