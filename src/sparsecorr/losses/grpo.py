@@ -53,7 +53,7 @@ from .surrogate import SURROGATES
 
 __all__ = ["METRIC_LEVELS", "KLPenalty", "sparse_grpo"]
 
-METRIC_LEVELS = ("none", "default", "full")
+METRIC_LEVELS = ("none", "loss", "default", "full")
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp, mm) 
 def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction | None:
     if correction is None:
         return None
-    if mm is None:
+    if mm is None and not isinstance(correction, Correction):
         raise ValueError("rollout_logp: expected the sparse sampler's [B, T] log-probs (or a "
                          "mismatch record) when a correction is given, got None (a correction "
                          "cannot act without them)")
@@ -132,8 +132,9 @@ def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction
     if not isinstance(corr, Correction):
         raise ValueError(f"correction: expected the callable to return a Correction, got "
                          f"{type(corr).__name__}")
-    if tuple(corr.mask.shape) != tuple(mm.shape):
-        raise ValueError(f"correction.mask: expected shape {tuple(mm.shape)}, got {tuple(corr.mask.shape)}")
+    shape = tuple(logp.shape) if mm is None else tuple(mm.shape)
+    if tuple(corr.mask.shape) != shape:
+        raise ValueError(f"correction.mask: expected shape {shape}, got {tuple(corr.mask.shape)}")
     return corr
 
 
@@ -175,7 +176,8 @@ def sparse_grpo(
         mismatch: an already built record of ``(old_logp, rollout_logp, mask)`` instead of
             ``rollout_logp`` (build it once per batch and share it across micro-steps).
         correction: a callable ``Mismatch -> Correction`` (``sparse_rl()``, ``tis(cap=2.0)``,
-            ``chain(...)``) or an already computed ``Correction``.
+            ``chain(...)``) or an already computed ``Correction`` (which needs no record: it
+            carries its mask and weights, e.g. computed once per generation batch).
         surrogate: a name in ``SURROGATES`` (``"ppo"``, ``"gspo"``, ``"cispo"``, ``"sapo"``,
             ``"vespo"``) or
             an object, e.g. ``PPOClip(clip_low=0.2, clip_high=0.28)`` (DAPO).
@@ -184,7 +186,9 @@ def sparse_grpo(
         ref_logp: reference-model log-probs for the k3 KL penalty / metric.
         kl: \(\beta\), or a ``KLPenalty`` (``bias_correction=True`` as TRL).
         metrics: ``"default"`` (cheap, every step), ``"full"`` (adds ratio extremes,
-            mismatch quantiles, k2/chi2) or ``"none"`` (nothing computed).
+            mismatch quantiles, k2/chi2), ``"loss"`` (the ``loss/*`` metrics only: the record's
+            and the correction's are logged where they were computed, once per generation
+            batch) or ``"none"`` (nothing computed).
         validate: check shapes and dtypes (host-side checks of Python attributes only: no
             tensor value is read, so they cost nothing under ``torch.compile``).
 
@@ -226,7 +230,7 @@ def sparse_grpo(
     corr = _correction(correction, mm, advantages, logp)
     use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
     with torch.no_grad():
-        base = mask if mm is None else (mm.valid if corr is None else corr.mask & mm.valid)  # [B, T]
+        base = _base(mask, mm, corr)  # [B, T]
         kept, adv, bad_adv_seqs = _learner_side(logp, old_logp, ref_logp if use_ref else None,
                                                 advantages, base)
         old = old_logp.detach().float()
@@ -255,13 +259,24 @@ def sparse_grpo(
         return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=kept, ratio=out.ratio)
     with torch.no_grad():
         sums = _sums(out, mm=mm, corr=corr, kept=kept, n=n, base=base, bad_adv_seqs=bad_adv_seqs,
-                     k3=k3, agg=agg, full=metrics == "full")
+                     k3=k3, agg=agg, full=metrics == "full", stages=metrics != "loss")
         sums["loss/pg_loss"] = pg_loss.float()
         sums["loss/loss"] = loss.detach().float()
         m = reduce_metrics(sums)
         if metrics == "full" and mm is not None:
             m.update(mismatch_quantiles(mm, DEFAULT_QUANTILES))
     return LossOutput(loss=loss, token_loss=token_loss, mask=kept, metrics=m, ratio=out.ratio, sums=sums)
+
+
+def _base(mask, mm: Mismatch | None, corr: Correction | None) -> torch.Tensor:
+    """The tokens the correction keeps (the record's valid ones without a correction): a
+    correction's mask is intersected with its record's valid tokens, so a non-finite token
+    never gets through; a computed ``Correction`` given without a record is trusted (the
+    caller built it from one: TRL's generation step)."""
+    if corr is None:
+        return mask if mm is None else mm.valid
+    valid = mm.valid if mm is not None else (corr.source.valid if corr.source is not None else None)
+    return corr.mask if valid is None else corr.mask & valid
 
 
 def _learner_side(logp, old_logp, ref_logp, advantages, base):
@@ -282,14 +297,14 @@ def _learner_side(logp, old_logp, ref_logp, advantages, base):
     return kept & ok, torch.where(ok, adv, 0.0), bad_seqs
 
 
-def _sums(out, *, mm, corr, kept, n, base, bad_adv_seqs, k3, agg, full) -> dict[str, torch.Tensor]:
+def _sums(out, *, mm, corr, kept, n, base, bad_adv_seqs, k3, agg, full, stages) -> dict[str, torch.Tensor]:
     """Every stage's metrics as 0-d sums and counts (``reduce_metrics`` conventions): the
     record's, the correction's and the loss's per-kept-token means and counts."""
     sums: dict[str, torch.Tensor] = {}
-    if mm is not None:
+    if mm is not None and stages:
         sums["loss/nonfinite_rollout"] = mm.nonfinite
         sums.update(mismatch_sums(mm, full=full))
-    if corr is not None:
+    if corr is not None and stages:
         sums.update(corr.metric_sums(full=full))
     loss_sums = out.sums()
     if k3 is not None:

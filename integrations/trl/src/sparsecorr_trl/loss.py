@@ -174,14 +174,6 @@ class LossParts:
     metrics: dict[str, torch.Tensor]
 
 
-def _ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """\\(\\rho\\) with gradient: per token, or \\(\\exp\\) of the row's mean log-ratio ``[B, 1]``."""
-    log_ratio = torch.where(mask, logp - old_logp, 0.0)
-    if level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-
-
 def _k3(logp, ref_logp, mask):
     d = torch.where(mask, ref_logp - logp, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.expm1(d) - d
@@ -213,21 +205,23 @@ def trl_loss(spec: LossSpec, logp: torch.Tensor, old_logp: torch.Tensor, advanta
         adv = (adv[:, None] if adv.dim() == 1 else adv) * factor.float()
     # KLPenalty's bias correction uses the surrogate's ratio: GSPO's sequence ratio, as TRL
     kl = 0.0 if spec.beta == 0.0 else KLPenalty(spec.beta, spec.bias_correction_kl)
+    # the record's and the correction's metrics are logged once per generation batch, where
+    # they were computed; a record built here (no correction) is reported with the loss
     out = sparse_grpo(logp, old_logp, adv, mask, mismatch=mismatch, correction=correction,
                       surrogate=spec.surrogate(), aggregation=agg,
-                      ref_logp=ref_logp if spec.beta != 0.0 else None, kl=kl)
+                      ref_logp=ref_logp if spec.beta != 0.0 else None, kl=kl,
+                      metrics="loss" if mismatch is None else "default")
     kept, loss = out.mask, out.loss
-    ratio = _ratio(logp, old_logp, kept, spec.ratio_level)
+    ratio = out.ratio  # detached, the one the surrogate used (TRL's metrics read it)
     per_token_kl = None
     if spec.beta != 0.0:
-        k3 = _k3(logp, ref_logp, kept)
-        term = k3 * ratio if spec.bias_correction_kl else k3
-        per_token_kl = torch.where(kept, term.detach(), 0.0)
-    shown = ratio.detach()
+        with torch.no_grad():
+            k3 = _k3(logp.detach(), ref_logp, kept)
+            term = k3 * ratio if spec.bias_correction_kl else k3
+            per_token_kl = torch.where(kept, term, 0.0)
+    shown = ratio
     if spec.delta is not None and spec.ppo:  # TRL's metrics read the delta-clamped ratio
         shown = shown.clamp(max=spec.delta)
-    # a correction computed at generation logged its own and the record's metrics there
-    shown_metrics = ("loss/",) if correction is not None else ("loss/", "mismatch/")
-    metrics = {k: v for k, v in out.metrics.items() if k.startswith(shown_metrics)}
+    metrics = {k: v for k, v in out.metrics.items() if k.startswith(("loss/", "mismatch/"))}
     return LossParts(loss=loss / divisor, policy_loss=loss.detach(), ratio=shown,
                      per_token_kl=per_token_kl, metrics=metrics)
