@@ -191,9 +191,12 @@ class VESPO:
         loss = scaled_sum(token_loss, x.scales)
         r = ratio(x.log_ratio)
 
-        def sums() -> dict[str, torch.Tensor]:
-            return {**ratio_sums(x, r),
-                    "loss/vespo_phi_mean": torch.where(kept, phi.expand_as(kept), 0.0).sum()}
+        def sums() -> dict[str, torch.Tensor]:  # phi per sequence, mean over rows (TRL's metric)
+            per_row = phi[:, 0] if phi.shape[1] == 1 else (
+                torch.where(kept, phi, 0.0).sum(1) / count(kept, dim=1).clamp(min=1))
+            rows = torch.full((), float(kept.shape[0]), device=kept.device)
+            return {**ratio_sums(x, r), "loss/vespo_phi_seq_mean": per_row.sum(),
+                    "loss/vespo_phi_seq_mean#n": rows}
 
         return SurrogateOutput(token_loss, loss, ratio=r, kl_ratio=token_ratio(x), sums=sums)
 

@@ -287,7 +287,7 @@ class SparseGRPOTrainer(_trainer_base()):
         logged.update(trl_metrics(
             self.accelerator, loss_type=spec.loss_type, ratio=parts.ratio, advantages=adv2d,
             mask=mask, entropies=entropies, per_token_kl=parts.per_token_kl,
-            clip_low=spec.clip_low, clip_high=spec.clip_high))
+            clip_low=spec.clip_low, clip_high=spec.clip_high, sums=parts.sums))
         mode = "train" if train else "eval"
         for name, value in logged.items():
             self._metrics[mode][name].append(value)
