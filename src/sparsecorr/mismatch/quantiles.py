@@ -84,14 +84,13 @@ def masked_quantile(
         d = None  # a 0-d input reduces to itself
     xf = x.float()
     valid = mask & torch.isfinite(xf)
+    out_shape: tuple[int, ...] = () if dim is None else tuple(s for i, s in enumerate(x.shape) if i != d)
+    if x.numel() == 0:  # nothing to reduce (a static shape): NaN for every output position
+        res = torch.full((*out_shape, qt.numel()), float("nan"), device=x.device)
+        return res[..., 0] if scalar else res
     if dim is None:
         rows, vrows = xf.reshape(1, -1), valid.reshape(1, -1)
-        out_shape: tuple[int, ...] = ()
     else:
-        out_shape = tuple(s for i, s in enumerate(x.shape) if i != d)
-        if x.numel() == 0:  # nothing to reduce: NaN for every output position
-            res = torch.full((*out_shape, qt.numel()), float("nan"), device=x.device)
-            return res[..., 0] if scalar else res
         rows = xf.movedim(d, -1).reshape(-1, x.shape[d])
         vrows = valid.movedim(d, -1).reshape(-1, x.shape[d])
     filled = torch.where(vrows, rows, float("inf"))
