@@ -1,31 +1,26 @@
-"""The loss path against the peers' real code, every row timed in the same run (issue #13).
+"""The loss path where users run it: compiled, against TRL's compiled loss (issue #25).
 
 Forward + backward on float32 ``[B, T]`` log-probs with a ragged mask (lengths uniform in
 [T/2, T]) at 64x4096 and 256x8192, every implementation called once per round, in an order
-shuffled every round (seeded): the call that follows verl's runs up to 1 ms slower at 64x4096
-(measured: the floor takes 1.25 ms there against 0.5 ms elsewhere; verl frees hundreds of MiB
-and evicts the caches), so a fixed order would charge that to whichever row comes next. Medians of ``--rounds`` rounds (>= 10). Rows:
+shuffled every round (seeded). Medians of ``--rounds`` rounds. Rows:
 
-- floor: ``(a - b).exp().clamp(max=2) * mask`` (shared/BASELINES.md);
-- sparsecorr: ``sparse_grpo(..., rollout_logp=..., correction=sparse_rl())`` with the default
-  metrics (the training step: record, correction, loss, metrics), with ``metrics="none"``,
-  plain GRPO, and ``sparse_rl()`` alone (``measure`` + the correction + its metrics);
-- TRL 1.16: its own IS block (token_truncate, cap 2) + the ``dapo`` loss arithmetic of
-  ``_compute_loss`` (the *bare* loss), and its real ``_compute_loss`` with its logged metrics;
-- OpenRLHF 0.11 ``PolicyLoss`` with its correction (token mask [0.5, 5]);
-- verl 0.9.1 ``compute_rollout_correction_and_rejection_mask`` (token TIS 2 + token_k1
-  rejection, with its metrics) + ``compute_policy_loss_vanilla``, and the correction alone.
+- **compiled** (``torch.compile(fullgraph=True)`` of the forward, backward through the compiled
+  graph): sparsecorr ``sparse_grpo(..., rollout_logp=..., correction=sparse_rl())`` with the
+  default metrics (record, correction, loss and every metric), against TRL 1.16's ``dapo`` loss
+  with its token_truncate IS ratio (cap 2) written as the arithmetic of TRL's IS block and
+  ``_compute_loss`` (TRL's own code runs through ``exec`` of its source in the eager rows, which
+  ``torch.compile`` cannot trace). Target: <= 2.0x;
+- **eager**, reported for what they are (no target; a CPU eager loss is not where anyone
+  trains): the same sparsecorr call, ``metrics="none"``, plain GRPO, ``sparse_rl()`` alone, TRL's
+  bare loss with its real IS block, TRL's real ``_compute_loss``, OpenRLHF 0.11 ``PolicyLoss``
+  and verl 0.9.1's rollout correction + vanilla policy loss (loaded as the parity tests load
+  them, ``benchmarks/_peers.py``).
 
-The peers are loaded as the parity tests load them (``benchmarks/_peers.py``). The aten op
-count of one call is counted with a ``TorchDispatchMode`` on the benchmark's own inputs (every
-dispatched op but the free aliasing ones: ``detach``, ``view`` including the dtype
-reinterpretation ``view(dtype)``, ``alias``).
+The aten-op-count and CPU-eager targets of issue #13 are retired (``RESULTS.md`` says why).
+``--runs N`` repeats the whole measurement in N fresh processes. Also: ``kl_from_logits`` peak
+extra memory and time against the naive full-softmax KL.
 
-``--runs N`` repeats the whole measurement in N fresh processes and reports, for each target
-ratio, the median and the [min, max] over the runs. Also: ``kl_from_logits`` peak extra memory
-and time against the naive full-softmax KL.
-
-Run: ``python benchmarks/bench_losses.py [--quick] [--runs 3]``.
+Run: ``python benchmarks/bench_losses.py [--quick] [--runs 3] [--no-kl]``.
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -53,6 +47,8 @@ from sparsecorr.losses import sparse_grpo
 from sparsecorr.mismatch import measure
 
 FLOOR = "floor (exp-clamp-mul)"
+OURS_C = "compiled: sparsecorr sparse_grpo + sparse_rl(), default metrics"
+TRL_C = "compiled: TRL 1.16 dapo loss + token_truncate IS"
 OURS = "sparsecorr sparse_grpo + sparse_rl(), default metrics"
 OURS_NONE = "sparsecorr sparse_grpo + sparse_rl(), metrics='none'"
 OURS_PLAIN = "sparsecorr sparse_grpo, plain GRPO"
@@ -97,8 +93,41 @@ def ours_correction(d):
     return sparse_rl()(measure(d["old"], d["rollout"], d["mask"])).metrics
 
 
+def _ours_step(logp, old, rollout, adv, mask):
+    out = sparse_grpo(logp, old, adv, mask, rollout_logp=rollout, correction=sparse_rl())
+    return out.loss, out.metrics
+
+
+def _trl_step(logp, old, rollout, adv, mask_f):
+    """TRL 1.16's token_truncate IS block and ``dapo`` loss arithmetic (``_compute_loss``)."""
+    diff = torch.nan_to_num((old - rollout) * mask_f, nan=0.0)  # TRL's per-token IS log-ratio
+    is_ratio = torch.clamp(torch.exp(diff), max=2.0)
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
+    a = adv.unsqueeze(1)
+    per_token_loss = -torch.min(coef_1 * a, coef_2 * a) * is_ratio
+    return (per_token_loss * mask_f).sum() / mask_f.sum().clamp(min=1.0)
+
+
+def compiled_rows() -> dict[str, object]:
+    ours_c = torch.compile(_ours_step, fullgraph=True)
+    trl_c = torch.compile(_trl_step, fullgraph=True)
+
+    def ours_compiled(d):
+        lp = d["logp"].clone().requires_grad_(True)
+        loss, metrics = ours_c(lp, d["old"], d["rollout"], d["adv"], d["mask"])
+        loss.backward()
+        return metrics
+
+    def trl_compiled(d):
+        lp = d["logp"].clone().requires_grad_(True)
+        trl_c(lp, d["old"], d["rollout"], d["adv"], d["mask_f"]).backward()
+
+    return {OURS_C: ours_compiled, TRL_C: trl_compiled}
+
+
 def implementations() -> dict[str, object]:
-    impls = {FLOOR: floor, OURS: ours, OURS_NONE: lambda d: ours(d, "none"), OURS_PLAIN: ours_plain,
+    impls = {FLOOR: floor, **compiled_rows(), OURS: ours, OURS_NONE: lambda d: ours(d, "none"), OURS_PLAIN: ours_plain,
              OURS_CORR: ours_correction}
     for name, make in ((TRL_BARE, _peers.trl_bare), (TRL_REAL, _peers.trl_real),
                        (ORLHF, _peers.openrlhf_policy_loss)):
@@ -111,31 +140,12 @@ def implementations() -> dict[str, object]:
     return impls
 
 
-class _Count(TorchDispatchMode):
-    FREE = ("aten.detach.default", "aten.view.default", "aten.view.dtype", "aten.alias.default")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) not in self.FREE:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
-def op_count(fn, d) -> int:
-    counter = _Count()
-    with counter:
-        fn(d)
-    return counter.n
-
-
 def measure_size(b: int, t: int, rounds: int) -> dict:
     d = make_inputs(b, t)
     impls = implementations()
     times: dict[str, list[float]] = {k: [] for k in impls}
-    for fn in impls.values():  # warm-up
+    for fn in impls.values():  # warm-up (compiles the compiled rows)
+        fn(d)
         fn(d)
     rng = random.Random(0)
     names = list(impls)
@@ -145,18 +155,15 @@ def measure_size(b: int, t: int, rounds: int) -> dict:
             t0 = time.perf_counter()
             impls[name](d)
             times[name].append(time.perf_counter() - t0)
-    # counted on the timed inputs: a path may depend on the size (a tiny [B] check is one
-    # kernel where a [B, T] one is three fast ones)
-    return {"median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
-            "ops": {k: op_count(fn, d) for k, fn in impls.items() if k != FLOOR}}
+    return {"median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}}
 
 
 TARGETS = [  # (label, numerator, denominator, target, is an upper bound)
-    ("sparse_grpo + sparse_rl() / TRL bare loss", OURS, TRL_BARE, 1.0, True),
-    ("sparse_grpo + sparse_rl() / TRL real _compute_loss", OURS, TRL_REAL, None, True),
-    ("sparse_grpo + sparse_rl() / OpenRLHF PolicyLoss", OURS, ORLHF, 0.5, True),
-    ("sparse_rl() alone / floor", OURS_CORR, FLOOR, 4.0, True),
-    ("verl correction alone / sparse_rl() alone", VERL_CORR, OURS_CORR, 10.0, False),
+    ("compiled: sparse_grpo + sparse_rl() / TRL dapo + IS", OURS_C, TRL_C, 2.0, True),
+    ("eager: sparse_grpo + sparse_rl() / TRL bare loss + IS", OURS, TRL_BARE, None, True),
+    ("eager: sparse_grpo + sparse_rl() / TRL real _compute_loss", OURS, TRL_REAL, None, True),
+    ("eager: sparse_grpo + sparse_rl() / OpenRLHF PolicyLoss", OURS, ORLHF, None, True),
+    ("eager: compiled / eager sparse_grpo + sparse_rl()", OURS_C, OURS, None, True),
 ]
 
 
@@ -169,10 +176,9 @@ def render(results: list[dict], size: str) -> str:
     meds = {k: statistics.median(r[size]["median_ms"][k] for r in results)
             for k in results[0][size]["median_ms"]}
     base = meds[FLOOR]
-    ops = results[0][size]["ops"]
-    rows = [[k, f"{v:.2f}", f"{v / base:.1f}", ops.get(k, "")] for k, v in meds.items()]
+    rows = [[k, f"{v:.2f}", f"{v / base:.1f}"] for k, v in meds.items()]
     out = [f"{size}, fwd+bwd, median over {len(results)} run(s) of per-run medians",
-           table(["implementation", "ms", "x floor", "aten ops / call"], rows), ""]
+           table(["implementation", "ms", "x floor"], rows), ""]
     per_run = [ratios(r[size]) for r in results]
     trows = []
     for label, _, _, target, upper in TARGETS:
@@ -182,15 +188,11 @@ def render(results: list[dict], size: str) -> str:
         med = statistics.median(vals)
         spread = f"[{min(vals):.2f}, {max(vals):.2f}]"
         if target is None:
-            verdict = "(reference)"
+            verdict = "(reported, no target)"
         else:
             verdict = "met" if (med <= target if upper else med >= target) else "missed"
         goal = "" if target is None else f"{'<=' if upper else '>='} {target:g}"
         trows.append([label, f"{med:.2f}", spread, goal, verdict])
-    n_ours, n_trl = ops.get(OURS), ops.get(TRL_BARE)
-    if n_ours and n_trl:
-        trows.append(["aten ops: sparse_grpo + sparse_rl() / TRL bare", f"{n_ours / n_trl:.2f}", "",
-                      "<= 2", "met" if n_ours <= 2 * n_trl else "missed"])
     out.append(table(["ratio", "median", "[min, max] over runs", "target", ""], trows))
     return "\n".join(out)
 
@@ -236,13 +238,13 @@ def one_run(quick: bool, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds (a smoke run)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default 30; quick 3)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default 15; quick 3)")
     parser.add_argument("--runs", type=int, default=1, help="independent runs (fresh processes)")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-kl", action="store_true", help="skip the kl_from_logits rows")
     args = parser.parse_args()
     setup(2)
-    rounds = args.rounds or (3 if args.quick else 30)
+    rounds = args.rounds or (3 if args.quick else 15)
     if args.json:
         print(json.dumps(one_run(args.quick, rounds)))
         return

@@ -32,9 +32,6 @@ __all__ = [
     "field",
     "finite",
     "finite_in",
-    "finite_in_scratch",
-    "host_all",
-    "host_all_finite",
 ]
 
 
@@ -111,69 +108,26 @@ def as_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def count_int(mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """int64 number of True (nonzero) entries: ``count_nonzero``, ~50x faster than
-    ``bool.sum()`` on the CPU (which first converts the mask to int64 in a temporary; so does
-    ``mask.view(uint8).sum(dtype=int32)``, fast in a warm loop but paying for a fresh buffer in
-    a real call)."""
+    """int64 number of True (nonzero) entries (``count_nonzero``)."""
     return torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim=dim)
 
 
 def count(mask: torch.Tensor, dim: int | None = None, *, keepdim: bool = False) -> torch.Tensor:
-    """Number of True entries as float32 (``count_int``, converted)."""
+    """Number of True entries as float32."""
     n = count_int(mask, dim)
     if keepdim and dim is not None:
         n = n.unsqueeze(dim)
     return n.float()
 
 
-def _zero_or_nan(x: torch.Tensor) -> torch.Tensor:
-    """``x * 0``: 0 at a finite entry, NaN at NaN and ±inf. Its float-to-bool cast (``!= 0``),
-    True exactly at the non-finite entries, is one of the fast kernels: on this project's CPU
-    build the test costs a third of ``|x| < inf`` and a sixth of ``torch.isfinite`` (both take
-    the slow comparison-to-bool path; measured in ``benchmarks/RESULTS.md``)."""
-    return torch.mul(x.detach(), 0)
-
-
 def finite(x: torch.Tensor) -> torch.Tensor:
-    """bool ``isfinite(x)``: False at NaN and ±inf. Below 4096 entries ``x * 0 == 0`` (two
-    kernels; the comparison's slow path costs nothing there; ``torch.isfinite`` is four)."""
-    if x.numel() <= 4096:
-        return torch.eq(_zero_or_nan(x), 0)
-    return _zero_or_nan(x).bool().logical_not_()
-
-
-def host_all_finite(x: torch.Tensor) -> bool:
-    """True when ``x`` is on the CPU and every entry is finite, decided by one sum read back:
-    a NaN or ±inf entry makes the sum non-finite (so may an overflow of huge finite entries,
-    which only sends the caller to its general path). Always False off the CPU, where reading
-    a value back would make the host wait for the device."""
-    return x.device.type == "cpu" and math.isfinite(x.sum().item())
-
-
-def host_all(mask: torch.Tensor) -> bool:
-    """True when ``mask`` (bool) is on the CPU and all True (a small mask: the caller then
-    skips a ``[B, T]`` pass that would change nothing). Always False off the CPU (no read-back)."""
-    return mask.device.type == "cpu" and bool(mask.all())
-
-
-def finite_in_scratch(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool ``mask & isfinite(x)`` (``mask`` bool, broadcastable) in three kernels (``mask >
-    nonfinite`` on bools is the fast form of ``mask & ~nonfinite``), and the scratch buffer the
-    test used (``x * 0``, ``x``'s dtype and shape, any content) for the caller to reuse: on the
-    CPU a fresh ``[B, T]`` buffer (allocation and first write) costs as much as the arithmetic.
-
-    On the CPU, when every entry of ``x`` is finite (``host_all_finite``, one sum), the result
-    is ``mask`` itself (same shape as ``x``) and the buffer is uninitialised: the caller must
-    not modify the mask in place (test ``result is mask`` to know that nothing was dropped)."""
-    if mask.shape == x.shape and host_all_finite(x):
-        return mask, torch.empty_like(x)
-    scratch = _zero_or_nan(x)
-    return torch.gt(mask, scratch.bool()), scratch
+    """bool ``isfinite(x)``: False at NaN and ±inf."""
+    return torch.isfinite(x.detach())
 
 
 def finite_in(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """bool ``mask & isfinite(x)`` (``finite_in_scratch`` without its buffer)."""
-    return finite_in_scratch(x, mask)[0]
+    """bool ``mask & isfinite(x)`` (``mask`` broadcastable to ``x``)."""
+    return mask & torch.isfinite(x.detach())
 
 
 # -- scalar, integer-tensor and file-field checks (issue #14: validation before any work) ------
@@ -247,7 +201,7 @@ def check_number(name: str, value: object, *, low: float | None = None, high: fl
     """
     if value is None and allow_none:
         return
-    ok = _is_real(value) and math.isfinite(value)
+    ok = _is_real(value) and -math.inf < value < math.inf  # False at NaN (compiles as a guard)
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:

@@ -622,17 +622,10 @@ VALID_CALLS: dict[tuple[str, str], Callable[[object], object]] = {
     ("answers", "sparsecorr.pruning:majority_vote"): pruning.majority_vote,
 }
 
-#: cases whose function lives in the loss path: refused once the loss-path fixes land (issue 25)
-LOSS_PATH_XFAIL = {("sparsecorr.mismatch:effective_sample_size", note) for _, note in KINDS["dim"][1]} | {
-    ("sparsecorr.losses:group_advantages", "bool")}
-
-
 def _generic_cases():
     for (kind, key), call in VALID_CALLS.items():
         for value, note in KINDS[kind][1]:
-            marks = [pytest.mark.xfail(strict=True, reason="loss-path fixes land after issue 25")] \
-                if (key, note) in LOSS_PATH_XFAIL else []
-            yield pytest.param(kind, key, call, value, id=f"{key}-{kind}-{note}", marks=marks)
+            yield pytest.param(kind, key, call, value, id=f"{key}-{kind}-{note}")
 
 
 def test_every_function_of_a_kind_has_a_valid_call() -> None:

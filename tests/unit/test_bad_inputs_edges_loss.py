@@ -1,6 +1,5 @@
 """The loss-path rows of issue 30's table: inputs that still fail inside torch or are silently
-accepted. Each test fails on today's code; the fixes land with the loss-path rewrite (issue 25),
-after which the coordinator removes the module-level ``xfail`` below.
+accepted. Each test failed before the loss-path rewrite (issue 25), which fixed them.
 
 Every case uses ``B, T = 3, 5`` and ``m``, a bool mask (as in the issue).
 """
@@ -16,8 +15,6 @@ from sparsecorr import correction as C
 from sparsecorr import losses as L
 from sparsecorr import mismatch as M
 from tests.bad_inputs import check_row, refused
-
-pytestmark = pytest.mark.xfail(strict=True, reason="loss-path fixes land after issue 25")
 
 B, T = 3, 5
 NAN = float("nan")

@@ -1,7 +1,7 @@
 """The import graph of DESIGN.md, checked on the source: each layer imports only the layers
 below it, nothing in the core imports an integration, and no module imports another layer's
 private (``_name``) helper. The shared internal utilities (``sparsecorr._checks``, ``_io``,
-``_dist``, ``_modes``, ``_masks``, ``_fastexp``) are open to every layer."""
+``_dist``, ``_modes``, ``_masks``, ``_ratio``) are open to every layer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "sparsecorr"
-SHARED = {"_checks", "_io", "_dist", "_modes", "_masks", "_fastexp"}
+SHARED = {"_checks", "_io", "_dist", "_modes", "_masks", "_ratio"}
 
 #: layer -> the layers it may import (besides itself and the shared utilities)
 ALLOWED = {

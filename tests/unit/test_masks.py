@@ -1,4 +1,4 @@
-"""The fast mask helpers equal their plain torch forms, NaN/inf and empty shapes included."""
+"""The mask helpers equal their plain torch forms, NaN/inf and empty shapes included."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsecorr._checks import finite, finite_in, finite_in_scratch
-from sparsecorr._masks import and_rows, count_float, count_rows, row_any
+from sparsecorr._checks import finite, finite_in
+from sparsecorr._masks import and_rows, count_rows, row_any
 
 SPECIAL = [0.0, -0.0, 1.5, -3.0, float("nan"), float("inf"), float("-inf"), 1e-45, 3e38]
 
@@ -34,12 +34,6 @@ def test_finiteness_helpers_equal_isfinite(xm):
     want = torch.isfinite(x)
     assert torch.equal(finite(x), want)
     assert torch.equal(finite_in(x, mask), mask & want)
-    kept, scratch = finite_in_scratch(x, mask)
-    assert torch.equal(kept, mask & want)
-    assert scratch.shape == x.shape and scratch.dtype == torch.float32
-    # the scratch buffer is the caller's to overwrite (a float mask, here)
-    assert torch.equal(scratch.copy_(kept), kept.float())
-    assert int(count_float(scratch, kept)) == int(kept.sum())
 
 
 @given(float_masks())

@@ -4,7 +4,7 @@ A correction is a callable ``Mismatch -> Correction`` (the record comes from
 ``sparsecorr.mismatch.measure``). Build one with a factory (``tis()``, ``sparse_rl()``,
 ``icepop()``, ``trl(mode="token_truncate")`` ...), compose with ``chain(...)``, or pick one by
 name with ``get_preset("sparse_rl", cap=1.5)``. The factories are the public way to build a
-correction; the classes they return (``TIS``, ``SparseRL``, ...) live in
+correction; the classes they return (``TIS``, ``BandMask``, ...) live in
 ``sparsecorr.correction.presets`` / ``.peers`` and are not constructed directly.
 
 The pure functions (``token_is_weights``, ``band_mask``, ``veto_mask`` ...) compute the same

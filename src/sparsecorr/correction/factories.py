@@ -7,7 +7,6 @@ would make the loss silently zero or constant is refused before any batch is see
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 from .._checks import check_choice, check_number, check_probability
 from .base import CorrectionFn, chain
@@ -20,7 +19,6 @@ from .presets import (
     BatchNormalized,
     Divergence,
     SequenceIS,
-    SparseRL,
     TailReject,
     Veto,
 )
@@ -124,10 +122,11 @@ def batch_normalized(inner: CorrectionFn, *, group: object | None = None) -> Bat
 
 
 def sparse_rl(*, cap: float = 1.5, low: float = 0.5, high: float = 1.5, veto_threshold: float = 1e-4,
-              group: object | None = None) -> SparseRL:
+              group: object | None = None) -> BatchNormalized:
     """Sparse-RL's released correction (Luo et al., ACL 2026, arXiv 2601.10079, METHODS §1):
     token TIS cap 1.5, token band [0.5, 1.5], veto 1e-4, then batch normalisation so the mean
-    kept weight is 1 (over ``group`` when given).
+    kept weight is 1 (over ``group`` when given). It *is* the composition
+    ``batch_normalized(chain(tis(cap), icepop(low, high), veto(veto_threshold)), group=group)``.
 
     Example:
         >>> import torch
@@ -141,18 +140,11 @@ def sparse_rl(*, cap: float = 1.5, low: float = 0.5, high: float = 1.5, veto_thr
         >>> c.weights[0]  # ratios 1.2, 0.8, 1.0, mean already 1
         tensor([1.2000, 0.8000, 1.0000])
     """
-    try:  # frozen: one validated object per setting (it is often built inside the step)
-        return _sparse_rl(cap, low, high, veto_threshold, group)
-    except TypeError:  # an unhashable argument (a group object): validated each time
-        return _sparse_rl.__wrapped__(cap, low, high, veto_threshold, group)
-
-
-@lru_cache(maxsize=32, typed=True)
-def _sparse_rl(cap, low, high, veto_threshold, group) -> SparseRL:
     _cap(cap, 0.0)
     _band(low, high)
     check_number("veto_threshold", veto_threshold, low=0, low_open=True)
-    return SparseRL(cap=cap, low=low, high=high, veto_threshold=veto_threshold, group=group)
+    return BatchNormalized(chain(TIS(cap=cap), BandMask(low=low, high=high), Veto(threshold=veto_threshold)),
+                           group=group)
 
 
 def sparrow(cap: float = 3.0) -> TIS:

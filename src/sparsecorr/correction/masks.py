@@ -23,6 +23,7 @@ from .._checks import (
     check_choice,
     check_float_tensor,
     check_mask,
+    check_number,
     check_probability,
     count,
 )
@@ -155,6 +156,7 @@ def opsm_mask(
     """
     _check("log_ratio", log_ratio, mask)
     check_advantages(advantages, log_ratio, column=False)
+    check_number("delta", delta, low=0)
     adv = advantages.detach().float()
     if adv.dim() == 2:  # per-token advantages: the sequence's sign is that of its mean
         adv = torch.where(mask, adv, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)

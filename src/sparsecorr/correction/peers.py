@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_choice, count
-from .._masks import row_any, zero_outside_
+from .._masks import row_any
+from .._ratio import ratio as exp_ratio
 from ..mismatch import Mismatch
-from .base import Correction, Count
-from .presets import row_log_ratio
+from .base import Correction, _check_record
+from .presets import per_valid, row_log_ratio
 
 __all__ = ["OPENRLHF_GATINGS", "TRL_MODES", "OpenRLHFCorrection", "TRLCorrection"]
 
@@ -37,8 +38,8 @@ TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask
 OPENRLHF_GATINGS = ("ratio", "binary_kl", "tv")
 
 
-def _filtered_frac(outside: torch.Tensor, mm: Mismatch):
-    return Count(lambda: count(outside & mm.valid), per_token=True)
+def _filtered_frac(name: str, outside: torch.Tensor, mm: Mismatch) -> dict[str, torch.Tensor]:
+    return per_valid(name, count(outside & mm.valid), mm)
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,11 @@ class TRLCorrection:
         check_choice("mode", self.mode, TRL_MODES)
 
     def __call__(self, mm: Mismatch) -> Correction:
-        lr = mm.log_ratio
+        _check_record(mm)
+        lr = mm.log_ratio  # [B, T]
         if self.mode.startswith("sequence"):
             lr = row_log_ratio(mm, "sum")[:, None].expand_as(lr)
-        ratio = lr.exp()
+        ratio = exp_ratio(lr)
         lo = -math.inf if self.clip_min is None else self.clip_min
         hi = math.inf if self.clip_max is None else self.clip_max
         outside = (ratio < lo) | (ratio > hi)
@@ -66,8 +68,8 @@ class TRLCorrection:
         else:
             w = ratio.masked_fill(outside, 0.0)
             name = "correction/band_rejected_frac"
-        return Correction(mask=mm.valid, token_weights=zero_outside_(w, mm.valid),
-                          piece_metrics={name: _filtered_frac(outside, mm)}, source=mm)
+        return Correction(mask=mm.valid, token_weights=torch.where(mm.valid, w, 0.0),
+                          piece_metrics=_filtered_frac(name, outside, mm), source=mm)
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,8 @@ class OpenRLHFCorrection:
         lr, clean = mm.log_ratio, mm.valid
         if self.gating == "ratio":
             if seq:
-                return row_log_ratio(mm, "mean")[:, None].exp()
-            return lr.exp()
+                return exp_ratio(row_log_ratio(mm, "mean"))[:, None]
+            return exp_ratio(lr)
         p = mm.rollout_logp.detach().float().exp().clamp(1e-6, 1 - 1e-6)
         q = mm.old_logp.detach().float().exp().clamp(1e-6, 1 - 1e-6)
         if self.gating == "binary_kl":
@@ -110,6 +112,7 @@ class OpenRLHFCorrection:
         return stat
 
     def __call__(self, mm: Mismatch) -> Correction:
+        _check_record(mm)
         clean = mm.valid
         if self.level == "off":
             return Correction(mask=clean, source=mm)
@@ -120,16 +123,17 @@ class OpenRLHFCorrection:
             filtered = (stat < low) | (stat > high)
         else:
             keep = (stat >= low) & (stat <= high)
-            w = torch.where(keep, mm.log_ratio.exp(), 0.0)
+            w = torch.where(keep, exp_ratio(mm.log_ratio), 0.0)
             filtered = ~keep
         filtered = filtered.expand_as(clean)
         if self.level == "seq":
             # OpenRLHF averages over every row; an empty row's statistic is 0/0 = NaN there,
             # which fails the band test, so it counts as filtered (its weight is moot)
-            rows = max(clean.shape[0], 1)
-            frac = Count(lambda: count(filtered[:, 0] | ~row_any(clean)), coef=1.0 / rows) \
-                if clean.shape[-1] else torch.zeros(())
+            name = "correction/is_filter_ratio"
+            rows = torch.full((), float(max(clean.shape[0], 1)), device=clean.device)
+            frac = {name: count(filtered[:, 0] | ~row_any(clean)), name + "#n": rows} \
+                if clean.shape[-1] else {name: torch.zeros((), device=clean.device)}
         else:
-            frac = _filtered_frac(filtered, mm)
-        return Correction(mask=clean, token_weights=zero_outside_(w.expand(clean.shape).clone(), clean),
-                          piece_metrics={"correction/is_filter_ratio": frac}, source=mm)
+            frac = _filtered_frac("correction/is_filter_ratio", filtered, mm)
+        return Correction(mask=clean, token_weights=torch.where(clean, w, 0.0),
+                          piece_metrics=frac, source=mm)

@@ -17,7 +17,8 @@ import torch
 
 from .._checks import check_choice, check_float_tensor, check_mask, count
 from .._dist import all_reduce_sum
-from ..mismatch import LOG_RATIO_CLAMP, sequence_log_ratio
+from .._ratio import ratio
+from ..mismatch import sequence_log_ratio
 
 __all__ = ["batch_normalize", "sequence_is_weights", "token_is_weights"]
 
@@ -42,7 +43,7 @@ def token_is_weights(
     check_float_tensor("log_ratio", log_ratio, ndim=2)
     check_mask(mask, log_ratio)
     _check_bounds(cap, floor)
-    w = log_ratio.detach().float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    w = ratio(log_ratio.detach().float())
     w = w.clamp(min=floor, max=cap)
     return torch.where(mask, w, 0.0)
 
@@ -68,7 +69,7 @@ def sequence_is_weights(
     check_choice("reduce", reduce, ("sum", "mean"))
     _check_bounds(cap, floor)
     s = sequence_log_ratio(log_ratio.detach().float(), mask, reduce=reduce)
-    w = s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(min=floor, max=cap)
+    w = ratio(s).clamp(min=floor, max=cap)
     return torch.where(mask, w[:, None], 0.0)
 
 

@@ -17,7 +17,7 @@ from .distill import (
 )
 from .grpo import METRIC_LEVELS, KLPenalty, sparse_grpo
 from .output import LossOutput
-from .surrogate import CISPO, GSPO, SAPO, SURROGATES, PPOClip
+from .surrogate import CISPO, GSPO, SAPO, SURROGATES, VESPO, PPOClip
 
 __all__ = [
     "AGGREGATIONS",
@@ -26,6 +26,7 @@ __all__ = [
     "METRIC_LEVELS",
     "SAPO",
     "SURROGATES",
+    "VESPO",
     "Aggregation",
     "KLPenalty",
     "LossOutput",

@@ -54,7 +54,7 @@ def group_advantages(
     check_float_tensor("rewards", rewards, ndim=1)
     check_choice("normalize", normalize, ("std", "none"))
     check_positive("eps", eps, allow_zero=True)
-    if not isinstance(group_size, int) or group_size < 1 or rewards.shape[0] % group_size:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1 or rewards.shape[0] % group_size:
         raise ValueError(f"group_size: expected a positive int dividing B={rewards.shape[0]}, "
                          f"got {group_size!r}")
     if valid is None:

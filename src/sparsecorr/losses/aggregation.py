@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_choice, check_mask, check_number, count
+from .._checks import check_choice, check_float_tensor, check_mask, check_number, count
 
 __all__ = ["AGGREGATIONS", "Aggregation", "aggregate", "aggregation_coefficients", "row_scales"]
 
@@ -187,6 +187,7 @@ def aggregate(
     Shapes:
         token_loss, mask: ``[B, T]`` -> ``[]`` float32.
     """
+    check_float_tensor("token_loss", token_loss, ndim=2)
     check_mask(mask, token_loss)
     r = row_scales(mask, mode=mode, num_tokens=num_tokens, num_sequences=num_sequences,
                    norm_length=norm_length)

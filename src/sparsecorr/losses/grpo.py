@@ -7,7 +7,7 @@ weights gives ``old_logp`` and the learner gives ``logp``. The loss of Sparse-RL
 1. **correction** — the batch's [`Mismatch`][sparsecorr.mismatch.Mismatch] record is built once
    (or passed in) and a correction ``Mismatch -> Correction`` turns it into detached weights
    \(w_t\) on \(\pi_\text{old}/\pi_\text{rollout}\) and a rejection mask;
-2. **surrogate** — an object from ``SURROGATES`` (``PPOClip``, ``GSPO``, ``CISPO``, ``SAPO``)
+2. **surrogate** — an object from ``SURROGATES`` (``PPOClip``, ``GSPO``, ``CISPO``, ``SAPO``, ``VESPO``)
    gives the per-token loss, e.g. for PPO
    \(\ell_t = -w_t \min(\rho_t A, \mathrm{clip}(\rho_t, 1-\varepsilon_l, 1+\varepsilon_h) A)\)
    with \(\rho_t = \pi_\theta/\pi_\text{old}\);
@@ -19,13 +19,16 @@ Tokens the correction rejects leave both the numerator and the denominator. A to
 ``logp``, ``old_logp``, ``rollout_logp`` or (with a KL term) ``ref_logp`` is NaN/±inf, or a row
 whose advantage is, leaves the loss and is counted (``loss/nonfinite_tokens``,
 ``loss/nonfinite_advantage_seqs``); an empty batch gives a 0 loss with a 0 gradient.
+
+The whole call is plain tensor code: no host read, no device branch, no control flow on tensor
+values, nothing cached between calls. ``torch.compile(sparse_grpo, fullgraph=True)`` traces it
+in one graph and equals eager (tested over every preset, surrogate and aggregation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -38,27 +41,19 @@ from .._checks import (
     check_same_shape,
     count,
 )
-from .._masks import count_float, count_rows
+from .._masks import count_rows, row_any
+from .._ratio import clamp_log_ratio
 from ..correction import Correction
-from ..mismatch import (
-    LOG_RATIO_CLAMP,
-    MetricPlan,
-    Mismatch,
-    add_mismatch_metrics,
-    as_metrics,
-    measure,
-    mismatch_quantiles,
-)
-from ..mismatch.summary import DEFAULT_QUANTILES
+from ..mismatch import Mismatch, measure, mismatch_quantiles, reduce_metrics
+from ..mismatch.summary import DEFAULT_QUANTILES, mismatch_sums
 from .aggregation import Aggregation, scaled_sum
-from .learner import learner_raw, learner_side
 from .output import LossOutput
 from .ppo import SurrogateInputs
 from .surrogate import SURROGATES
 
 __all__ = ["METRIC_LEVELS", "KLPenalty", "sparse_grpo"]
 
-METRIC_LEVELS = ("none", "default", "full")
+METRIC_LEVELS = ("none", "loss", "default", "full")
 
 
 @dataclass(frozen=True)
@@ -80,20 +75,10 @@ class KLPenalty:
         check_number("kl", self.coef, low=0)
 
 
-@lru_cache(maxsize=16)
-def _named(kind: str, name: str | float):
-    """The default object for a name (frozen: one instance serves every call)."""
-    if kind == "surrogate":
-        check_choice("surrogate", name, sorted(SURROGATES))
-        return SURROGATES[name]()
-    if kind == "aggregation":
-        return Aggregation(name)
-    return KLPenalty(coef=name)
-
-
 def _surrogate(surrogate: object) -> Callable:
     if isinstance(surrogate, str):
-        return _named("surrogate", surrogate)
+        check_choice("surrogate", surrogate, sorted(SURROGATES))
+        return SURROGATES[surrogate]()
     if not callable(surrogate):
         raise ValueError(f"surrogate: expected a name in {sorted(SURROGATES)} or a surrogate object, "
                          f"got {type(surrogate).__name__}")
@@ -104,12 +89,11 @@ def _options(surrogate, aggregation, kl, ref_logp, metrics):
     """Validate every hyperparameter before any tensor work."""
     sur = _surrogate(surrogate)
     if isinstance(aggregation, str):
-        aggregation = _named("aggregation", aggregation)
+        aggregation = Aggregation(aggregation)
     elif not isinstance(aggregation, Aggregation):
         raise ValueError(f"aggregation: expected a mode name or an Aggregation, got "
                          f"{type(aggregation).__name__}")
-    pen = kl if isinstance(kl, KLPenalty) else (
-        _named("kl", kl) if type(kl) in (int, float) else KLPenalty(coef=kl))
+    pen = kl if isinstance(kl, KLPenalty) else KLPenalty(coef=kl)
     if pen.coef > 0 and ref_logp is None:
         raise ValueError(f"ref_logp: expected a [B, T] tensor when kl > 0 (kl={pen.coef!r}), got None")
     check_choice("metrics", metrics, METRIC_LEVELS)
@@ -134,7 +118,7 @@ def _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp, mm) 
 def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction | None:
     if correction is None:
         return None
-    if mm is None:
+    if mm is None and not isinstance(correction, Correction):
         raise ValueError("rollout_logp: expected the sparse sampler's [B, T] log-probs (or a "
                          "mismatch record) when a correction is given, got None (a correction "
                          "cannot act without them)")
@@ -148,8 +132,9 @@ def _correction(correction, mm: Mismatch | None, advantages, logp) -> Correction
     if not isinstance(corr, Correction):
         raise ValueError(f"correction: expected the callable to return a Correction, got "
                          f"{type(corr).__name__}")
-    if tuple(corr.mask.shape) != tuple(mm.shape):
-        raise ValueError(f"correction.mask: expected shape {tuple(mm.shape)}, got {tuple(corr.mask.shape)}")
+    shape = tuple(logp.shape) if mm is None else tuple(mm.shape)
+    if tuple(corr.mask.shape) != shape:
+        raise ValueError(f"correction.mask: expected shape {shape}, got {tuple(corr.mask.shape)}")
     return corr
 
 
@@ -191,19 +176,27 @@ def sparse_grpo(
         mismatch: an already built record of ``(old_logp, rollout_logp, mask)`` instead of
             ``rollout_logp`` (build it once per batch and share it across micro-steps).
         correction: a callable ``Mismatch -> Correction`` (``sparse_rl()``, ``tis(cap=2.0)``,
-            ``chain(...)``) or an already computed ``Correction``.
-        surrogate: a name in ``SURROGATES`` (``"ppo"``, ``"gspo"``, ``"cispo"``, ``"sapo"``) or
+            ``chain(...)``) or an already computed ``Correction`` (which needs no record: it
+            carries its mask and weights, e.g. computed once per generation batch).
+        surrogate: a name in ``SURROGATES`` (``"ppo"``, ``"gspo"``, ``"cispo"``, ``"sapo"``,
+            ``"vespo"``) or
             an object, e.g. ``PPOClip(clip_low=0.2, clip_high=0.28)`` (DAPO).
         aggregation: a mode name or an ``Aggregation`` with global normalisers
             (``Aggregation("token-mean", num_tokens=N)`` over data-parallel ranks).
         ref_logp: reference-model log-probs for the k3 KL penalty / metric.
         kl: \(\beta\), or a ``KLPenalty`` (``bias_correction=True`` as TRL).
         metrics: ``"default"`` (cheap, every step), ``"full"`` (adds ratio extremes,
-            mismatch quantiles, k2/chi2) or ``"none"`` (nothing computed).
-        validate: check shapes and dtypes (set False in a hot loop once inputs are trusted).
+            mismatch quantiles, k2/chi2), ``"loss"`` (the ``loss/*`` metrics only: the record's
+            and the correction's are logged where they were computed, once per generation
+            batch) or ``"none"`` (nothing computed).
+        validate: check shapes and dtypes (host-side checks of Python attributes only: no
+            tensor value is read, so they cost nothing under ``torch.compile``).
 
     Returns:
-        ``LossOutput(loss, token_loss, metrics, mask)``; metrics ``loss/*`` (clip fractions,
+        ``LossOutput(loss, token_loss, metrics, mask, ratio, sums)``: ``ratio`` the detached
+        importance ratio the surrogate used (``[B, T]``, or ``[B, 1]`` for GSPO), ``sums`` the
+        metrics' 0-d sums and counts (``reduce_metrics(out.sums, group)`` gives the metrics
+        over data-parallel ranks); metrics ``loss/*`` (clip fractions,
         ``ratio_mean``, ``ppo_kl_k1_mean``, ``tokens``, ``sequences``, ``kl_ref_k3_mean``,
         non-finite counts, ``pg_loss``, ``loss``), ``correction/*`` and ``mismatch/*``.
 
@@ -234,110 +227,97 @@ def sparse_grpo(
         _check_inputs(logp, old_logp, advantages, mask, rollout_logp, ref_logp, mismatch)
     mm = mismatch if mismatch is not None else (
         measure(old_logp, rollout_logp, mask, validate=False) if rollout_logp is not None else None)
-    if mm is not None and metrics != "none":
-        mm.expect_ratio_m1()  # the k3 metric reads rho - 1: the weights are built from it too
     corr = _correction(correction, mm, advantages, logp)
-    base = _base_mask(corr, mm, mask)
-    plan = None if metrics == "none" else MetricPlan()
+    use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
     with torch.no_grad():
-        if plan is not None:  # the record's and the correction's metrics first: they read its buffers
-            _record_metrics(plan, mm, corr, full=metrics == "full")
-        # the learner side: logp - old_logp must be finite (covers old_logp without a record);
-        # in the record's own buffers when this call built it and no one reads it any more
-        own = mm if mismatch is None and metrics != "full" else None
-        raw, buf = learner_raw(logp, old_logp, own, None if corr is None else corr.token_weights)
-        use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
-        kept, kept_f, lr, lr_sum, adv, bad_adv = learner_side(
-            raw, base, ref_logp if use_ref else None, advantages, buf)
-        # float32, or int64 (promoted where it meets a float); the correction counted its mask
-        n = corr.tokens if corr is not None and kept is corr.mask else count_float(kept_f, kept)
+        base = _base(mask, mm, corr)  # [B, T]
+        kept, adv, bad_adv_seqs = _learner_side(logp, old_logp, ref_logp if use_ref else None,
+                                                advantages, base)
+        old = old_logp.detach().float()
+        log_ratio = torch.where(kept, logp.detach().float() - old, 0.0)  # [B, T]
+        n = count(kept)
         neg_adv = adv.neg() if corr is None or corr.scale is None else adv * -corr.scale.reshape(())
-        w = None if corr is None else corr.token_weights
-        neg_wa = kept_f.mul_(neg_adv)
-        if w is not None:
-            neg_wa.mul_(w)
+        w_tok = kept.float() if corr is None or corr.token_weights is None else corr.token_weights
+        neg_wa = torch.where(kept, neg_adv * w_tok, 0.0)  # [B, T]: -w A
+        weights = torch.where(kept, w_tok if corr is None or corr.scale is None
+                              else w_tok * corr.scale.reshape(()), 0.0)  # [B, T]
     scales = agg.row_scales(kept, tokens=n)
-    out = sur(SurrogateInputs(logp=logp, old_logp=old_logp.detach().float(), log_ratio=lr,
-                              kept=kept, advantages=adv, neg_weighted_adv=neg_wa, scales=scales, n=n,
-                              metrics=metrics != "none", full_metrics=metrics == "full",
-                              log_ratio_sum=lr_sum))
+    out = sur(SurrogateInputs(logp=logp, old_logp=old, log_ratio=log_ratio, kept=kept, advantages=adv,
+                              weights=weights, neg_weighted_adv=neg_wa, scales=scales, n=n,
+                              is_ratio=None if corr is None else weights, full_metrics=metrics == "full"))
     token_loss, loss = out.token_loss, out.loss
     pg_loss = loss.detach()
     k3 = None
     if use_ref:
-        d = torch.where(kept, ref_logp.float() - logp.float(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        d = clamp_log_ratio(torch.where(kept, ref_logp.float() - logp.float(), 0.0))  # [B, T]
         k3 = torch.expm1(d) - d
         if pen.coef > 0:
-            term = k3
-            if pen.bias_correction:  # k3 times the surrogate's ratio, with its gradient (TRL)
-                ratio = out.kl_ratio
-                if ratio is None:
-                    r = torch.where(kept, logp.float() - old_logp.detach().float(), 0.0)
-                    ratio = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-                term = k3 * ratio
+            term = k3 * out.kl_ratio if pen.bias_correction else k3  # TRL: k3 times the ratio
             token_loss = token_loss + pen.coef * term
             loss = loss + pen.coef * scaled_sum(term, scales)
     if metrics == "none":
-        return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=kept)
+        return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=kept, ratio=out.ratio)
     with torch.no_grad():
-        m = _metrics(plan, out, mm=mm, corr=corr, kept=kept, n=n, base=base, bad_adv=bad_adv, k3=k3,
-                     agg=agg, full=metrics == "full")
-        m["loss/pg_loss"] = pg_loss
-        m["loss/loss"] = loss.detach()
-    # the plan's metrics are detached 0-d float32 already; pg_loss / loss are when logp's dtype is
-    return LossOutput(loss=loss, token_loss=token_loss, mask=kept,
-                      metrics=m if pg_loss.dtype == torch.float32 and not pg_loss.dim() else as_metrics(m))
+        sums = _sums(out, mm=mm, corr=corr, kept=kept, n=n, base=base, bad_adv_seqs=bad_adv_seqs,
+                     k3=k3, agg=agg, full=metrics == "full", stages=metrics != "loss")
+        sums["loss/pg_loss"] = pg_loss.float()
+        sums["loss/loss"] = loss.detach().float()
+        m = reduce_metrics(sums)
+        if metrics == "full" and mm is not None:
+            m.update(mismatch_quantiles(mm, DEFAULT_QUANTILES))
+    return LossOutput(loss=loss, token_loss=token_loss, mask=kept, metrics=m, ratio=out.ratio, sums=sums)
 
 
-def _base_mask(corr: Correction | None, mm: Mismatch | None, mask: torch.Tensor) -> torch.Tensor:
-    """The tokens the correction keeps (the record's valid ones without a correction). A
-    library correction's mask is a subset of its record's valid tokens; a hand-made one (or one
-    from another record) is intersected with them, so a non-finite token never gets through."""
+def _base(mask, mm: Mismatch | None, corr: Correction | None) -> torch.Tensor:
+    """The tokens the correction keeps (the record's valid ones without a correction): a
+    correction's mask is intersected with its record's valid tokens, so a non-finite token
+    never gets through; a computed ``Correction`` given without a record is trusted (the
+    caller built it from one: TRL's generation step)."""
     if corr is None:
         return mask if mm is None else mm.valid
-    same = corr.source is not None and corr.source.valid is mm.valid
-    return corr.mask if same else corr.mask & mm.valid
+    valid = mm.valid if mm is not None else (corr.source.valid if corr.source is not None else None)
+    return corr.mask if valid is None else corr.mask & valid
 
 
-def _record_metrics(plan: MetricPlan, mm: Mismatch | None, corr: Correction | None, *,
-                    full: bool) -> None:
-    """The record's and the correction's metrics, registered before the learner side (which
-    may reuse the record's buffers)."""
-    if mm is not None:
-        plan.ratio("loss/nonfinite_rollout", plan.difference(mm.input_count, mm.valid_count))
-        add_mismatch_metrics(plan, mm, full=full)
-    if corr is not None:
-        corr.add_metrics(plan, full=full)
+def _learner_side(logp, old_logp, ref_logp, advantages, base):
+    """The loss's tokens: ``base`` minus those with a non-finite ``logp - old_logp`` (or
+    ``ref_logp``) or advantage; the float32 advantages (``[B, 1]`` or ``[B, T]``, 0 where
+    non-finite) and the number of rows with a non-finite advantage."""
+    kept = base & torch.isfinite(logp.detach().float() - old_logp.detach().float())  # [B, T]
+    if ref_logp is not None:
+        kept = kept & torch.isfinite(ref_logp.detach())
+    adv = advantages.detach().float()
+    if adv.dim() == 1 or adv.shape[1] == 1:
+        adv = adv.reshape(-1, 1)  # [B, 1]
+    ok = torch.isfinite(adv)  # [B, 1] or [B, T]
+    if adv.shape[1] == 1:
+        bad_seqs = count(~ok)
+    else:
+        bad_seqs = count(row_any(kept & ~ok))
+    return kept & ok, torch.where(ok, adv, 0.0), bad_seqs
 
 
-def _metrics(plan: MetricPlan, out, *, mm, corr, kept, n, base, bad_adv, k3, agg, full) -> dict:
-    """Every stage's metrics on one ``MetricPlan`` (the record's and the correction's already
-    registered): the loss's per-kept-token means and counts, resolved together in a few
-    batched ops."""
-    k_n = plan.add(n)
-    sums = out.sums()
+def _sums(out, *, mm, corr, kept, n, base, bad_adv_seqs, k3, agg, full, stages) -> dict[str, torch.Tensor]:
+    """Every stage's metrics as 0-d sums and counts (``reduce_metrics`` conventions): the
+    record's, the correction's and the loss's per-kept-token means and counts."""
+    sums: dict[str, torch.Tensor] = {}
+    if mm is not None and stages:
+        sums["loss/nonfinite_rollout"] = mm.nonfinite
+        sums.update(mismatch_sums(mm, full=full))
+    if corr is not None and stages:
+        sums.update(corr.metric_sums(full=full))
+    loss_sums = out.sums()
     if k3 is not None:
-        sums["loss/kl_ref_k3_mean"] = k3.detach().sum()
-    for name, value in sums.items():
-        terms = value if isinstance(value, tuple) else ((value, 1.0),)
-        num: dict[int, float] = {}
-        for t, c in terms:
-            k = k_n if isinstance(t, str) else plan.add(t)
-            num[k] = num.get(k, 0.0) + c
-        plan.ratio(name, num, k_n)
-    n_base = corr.tokens if corr is not None and base is corr.mask else count(base)
-    plan.ratio("loss/tokens", {k_n: 1.0})
-    plan.ratio("loss/sequences", {plan.add(count_rows(kept)): 1.0})
-    plan.ratio("loss/nonfinite_tokens", {plan.add(n_base): 1.0, k_n: -1.0})
-    bad, coef, offset = bad_adv()
-    plan.ratio("loss/nonfinite_advantage_seqs", {plan.add(bad): coef}, offset=offset)
-    if full:
-        for name, value in out.extra().items():
-            plan.value(name, value)
+        loss_sums["loss/kl_ref_k3_mean"] = k3.detach().sum()
+    for name in list(loss_sums):
+        if not name.endswith("#n") and "#" not in name and name + "#n" not in loss_sums:
+            loss_sums[name + "#n"] = n  # a per-kept-token mean
+    sums.update(loss_sums)
+    sums["loss/tokens"] = n
+    sums["loss/sequences"] = count_rows(kept)
+    sums["loss/nonfinite_tokens"] = count(base) - n
+    sums["loss/nonfinite_advantage_seqs"] = bad_adv_seqs
     fallback = agg.normalizer_fallback()
     if fallback is not None:
-        plan.value("loss/normalizer_fallback", fallback)
-    m = plan.resolve()
-    if full and mm is not None:
-        m.update(as_metrics(mismatch_quantiles(mm, DEFAULT_QUANTILES)))
-    return m
+        sums["loss/normalizer_fallback"] = fallback
+    return sums

@@ -21,6 +21,10 @@ class LossOutput:
         metrics: stable names -> detached 0-d float32 tensors (no host synchronisation).
         mask: ``[B, T]`` bool, the tokens that entered the loss (input mask minus rejected and
             non-finite tokens); ``None`` when a loss has no per-token mask.
+        ratio: the detached importance ratio the surrogate used (``[B, T]``, or ``[B, 1]`` per
+            sequence), for a caller that logs it; ``None`` when a loss has none.
+        sums: the metrics' 0-d sums and counts (``reduce_metrics(sums, group)`` reduces them
+            over data-parallel ranks in one all-reduce); empty with ``metrics="none"``.
 
     Shapes:
         loss: ``[]``; token_loss, mask: ``[B, T]``.
@@ -30,3 +34,5 @@ class LossOutput:
     token_loss: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     mask: torch.Tensor | None = None
+    ratio: torch.Tensor | None = None
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -10,10 +10,12 @@ weights \(w_t\) into a per-token loss \(\ell_t\) and its aggregate \(\sum_i r_i 
 | [`GSPO`][sparsecorr.losses.GSPO] | the same with the sequence ratio \(s_i = e^{\frac{1}{n_i}\sum_t (\text{logp}-\text{old\_logp})}\) | Zheng et al. 2025 |
 | [`CISPO`][sparsecorr.losses.CISPO] | \(-w_t\, \mathrm{sg}[\min(\rho_t, c)]\, A\, \text{logp}_t\) | MiniMax-M1 2025 |
 | [`SAPO`][sparsecorr.losses.SAPO] | \(-w_t\, \tfrac{4}{\tau}\sigma(\tau(\rho_t - 1))\, A\), \(\tau = \tau_+\) if \(A>0\) else \(\tau_-\) | SAPO (Qwen, 2025) |
+| [`VESPO`][sparsecorr.losses.VESPO] | \(-\mathrm{sg}[\varphi(W_i)]\, A\, \text{logp}_t\), \(\varphi(W) = e^{\lambda} W^k e^{-\lambda W}\), \(W_i = \prod_t \rho_t w_t\) | VESPO 2026 (TRL ``loss_type="vespo"``) |
 
 ``SURROGATES`` maps names to the classes (``sparse_grpo(surrogate="gspo")`` uses the defaults).
-``PPOClip`` runs as one fused autograd node (its gradient is closed form, see
-``sparsecorr.losses.ppo``); the others use plain autograd.
+Every surrogate is plain tensor code under autograd. Adding one is one frozen class with
+``__call__(SurrogateInputs) -> SurrogateOutput`` and one row in ``SURROGATES``: the
+compile-clean, eager-equality and no-host-sync tests run over the registry.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_number, count
-from ..mismatch import LOG_RATIO_CLAMP
+from .._ratio import clamp_log_ratio, ratio
 from .aggregation import scaled_sum
-from .ppo import SurrogateInputs, SurrogateOutput, ppo_clip_forward
+from .ppo import SurrogateInputs, SurrogateOutput, ppo_clip_forward, ratio_sums, token_ratio
 
-__all__ = ["CISPO", "GSPO", "SAPO", "SURROGATES", "PPOClip", "SurrogateInputs", "SurrogateOutput"]
+__all__ = ["CISPO", "GSPO", "SAPO", "SURROGATES", "VESPO", "PPOClip", "SurrogateInputs", "SurrogateOutput"]
 
 
 def _check_eps(name: str, x: object, *, below_one: bool = False) -> None:
@@ -80,19 +82,23 @@ class GSPO(_Clip):
 
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
         kept, adv = x.kept, x.advantages
-        raw = torch.where(kept, x.logp.float() - x.old_logp, 0.0)
-        n_i = count(kept, dim=1, keepdim=True).clamp(min=1)
-        ratio = (raw.sum(dim=1, keepdim=True) / n_i).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        raw = torch.where(kept, x.logp.float() - x.old_logp, 0.0)  # [B, T]
+        n_i = count(kept, dim=1, keepdim=True).clamp(min=1)  # [B, 1]
+        rho = ratio(raw.sum(dim=1, keepdim=True) / n_i)  # [B, 1]
         pos = adv >= 0
         lo = torch.where(pos, 0.0, 1.0 - self.clip_low)
-        big = math.exp(LOG_RATIO_CLAMP) if self.dual_clip is None else self.dual_clip
+        big = math.exp(20.0) if self.dual_clip is None else self.dual_clip
         hi = torch.where(pos, 1.0 + self.clip_high, big)
-        clipped = torch.clamp(ratio, lo, hi)
-        token_loss = torch.where(kept, x.neg_weighted_adv * clipped, 0.0)
+        clipped = torch.clamp(rho, lo, hi)  # [B, 1] or [B, T]
+        token_loss = torch.where(kept, x.neg_weighted_adv * clipped, 0.0)  # [B, T]
         loss = scaled_sum(token_loss, x.scales)
-        r, unclipped = ratio.detach(), (clipped.detach() == ratio.detach())
-        return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r.expand_as(kept), unclipped.expand_as(kept)),
-                               kl_ratio=ratio)
+        r = rho.detach()
+
+        def sums() -> dict[str, torch.Tensor]:
+            moved = (clipped.detach() != r).expand_as(kept)
+            return {**ratio_sums(x, r.expand_as(kept)), "loss/clip_frac": count(kept & moved)}
+
+        return SurrogateOutput(token_loss, loss, ratio=r, kl_ratio=rho, sums=sums)
 
 
 @dataclass(frozen=True)
@@ -106,11 +112,15 @@ class CISPO:
         check_number("cap", self.cap, low=0, low_open=True)
 
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
-        r = x.log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-        coef = torch.clamp(r, max=self.cap) * x.neg_weighted_adv  # detached
+        r = ratio(x.log_ratio)  # [B, T], detached
+        coef = torch.clamp(r, max=self.cap) * x.neg_weighted_adv  # [B, T], detached
         token_loss = torch.where(x.kept, coef * x.logp.float(), 0.0)
         loss = scaled_sum(token_loss, x.scales)
-        return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r, (r <= self.cap) | ~x.kept))
+
+        def sums() -> dict[str, torch.Tensor]:
+            return {**ratio_sums(x, r), "loss/clip_frac": count(x.kept & (r > self.cap))}
+
+        return SurrogateOutput(token_loss, loss, ratio=r, kl_ratio=token_ratio(x), sums=sums)
 
 
 @dataclass(frozen=True)
@@ -127,26 +137,69 @@ class SAPO:
             check_number(name, getattr(self, name), low=0, low_open=True)
 
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
-        lr = torch.where(x.kept, x.logp.float() - x.old_logp, 0.0)
-        rho = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        rho = token_ratio(x)  # [B, T]
         tau = torch.where(x.advantages > 0, self.temperature_pos, self.temperature_neg)
         gate = torch.sigmoid(tau * (rho - 1.0)) * (4.0 / tau)
         token_loss = torch.where(x.kept, x.neg_weighted_adv * gate, 0.0)
         loss = scaled_sum(token_loss, x.scales)
         r = rho.detach()
-        return SurrogateOutput(token_loss, loss, sums=_ratio_sums(x, r, None))
+        return SurrogateOutput(token_loss, loss, ratio=r, kl_ratio=rho, sums=lambda: ratio_sums(x, r))
 
 
-def _ratio_sums(x: SurrogateInputs, ratio: torch.Tensor, unclipped: torch.Tensor | None):
-    """Kept-token sums for ``loss/ratio_mean``, ``loss/clip_frac`` and ``loss/ppo_kl_k1_mean``."""
-    def sums() -> dict[str, torch.Tensor]:
-        out = {"loss/ratio_mean": torch.where(x.kept, ratio, 0.0).sum(),
-               "loss/ppo_kl_k1_mean": -x.log_ratio.sum()}
-        if unclipped is not None:
-            out["loss/clip_frac"] = count(x.kept & ~unclipped)
-        return out
-    return sums
+_LOG_1E8 = math.log(1e-8)
+
+
+@dataclass(frozen=True)
+class VESPO:
+    r"""VESPO (TRL 1.16 ``loss_type="vespo"``, arXiv 2602.10693): REINFORCE on
+    \(\text{logp}\) scaled by a detached gamma weight of the sequence's importance ratio,
+
+    \[
+    \ell_t = -\mathrm{sg}[\varphi(W_i)]\, A\, \text{logp}_t, \qquad
+    \varphi(W) = e^{\lambda}\, W^{k}\, e^{-\lambda W}\ (\varphi(1) = 1),
+    \]
+
+    \(\log W_i = \mathrm{clamp}\big(\sum_t \mathrm{clamp}(\text{logp}-\text{old\_logp}, \pm 20)
+    + \sum_t \mathrm{clamp}(\log w_t, \log 10^{-8}, 20), \log 10^{-8}, 20\big)\), with
+    \((k, \lambda) = (k_+, \lambda_+)\) for \(A \ge 0\), else \((k_-, \lambda_-)\). The
+    correction's IS weights \(w_t\) (``SurrogateInputs.is_ratio``) enter \(W_i\) instead of
+    multiplying the token loss, as in TRL.
+    """
+
+    k_pos: float = 2.0
+    lambda_pos: float = 3.0
+    k_neg: float = 3.0
+    lambda_neg: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg"):
+            check_number(name, getattr(self, name), low=0)
+
+    def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
+        kept, adv = x.kept, x.advantages
+        log_w = clamp_log_ratio(x.log_ratio).sum(dim=-1, keepdim=True)  # [B, 1], detached
+        if x.is_ratio is not None:
+            log_is = torch.log(x.is_ratio).clamp(_LOG_1E8, 20.0)  # [B, T]; a 0 weight: log 1e-8
+            log_w = log_w + torch.where(kept, log_is, 0.0).sum(dim=-1, keepdim=True)
+        log_w = log_w.clamp(_LOG_1E8, 20.0)
+        pos = adv >= 0
+        k = torch.where(pos, self.k_pos, self.k_neg)
+        lam = torch.where(pos, self.lambda_pos, self.lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))  # [B, 1] or [B, T]
+        phi = torch.where(torch.isfinite(phi), phi, 0.0)
+        token_loss = torch.where(kept, -(phi * adv) * x.logp.float(), 0.0)  # [B, T]
+        loss = scaled_sum(token_loss, x.scales)
+        r = ratio(x.log_ratio)
+
+        def sums() -> dict[str, torch.Tensor]:  # phi per sequence, mean over rows (TRL's metric)
+            per_row = phi[:, 0] if phi.shape[1] == 1 else (
+                torch.where(kept, phi, 0.0).sum(1) / count(kept, dim=1).clamp(min=1))
+            rows = torch.full((), float(kept.shape[0]), device=kept.device)
+            return {**ratio_sums(x, r), "loss/vespo_phi_seq_mean": per_row.sum(),
+                    "loss/vespo_phi_seq_mean#n": rows}
+
+        return SurrogateOutput(token_loss, loss, ratio=r, kl_ratio=token_ratio(x), sums=sums)
 
 
 #: surrogate name -> class (``sparse_grpo(surrogate=NAME)`` builds it with its defaults)
-SURROGATES = {"ppo": PPOClip, "gspo": GSPO, "cispo": CISPO, "sapo": SAPO}
+SURROGATES = {"ppo": PPOClip, "gspo": GSPO, "cispo": CISPO, "sapo": SAPO, "vespo": VESPO}

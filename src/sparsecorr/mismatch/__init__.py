@@ -26,12 +26,14 @@ from .metrics import (
 from .plan import MetricPlan
 from .quantiles import binned_quantile, masked_quantile
 from .record import LOG_RATIO_CLAMP, Mismatch, measure
+from .reduce import reduce_metrics
 from .sketch import BinnedQuantileSketch, QuantileSketch
 from .summary import (
     add_mismatch_metrics,
     as_metrics,
     mismatch_metrics,
     mismatch_quantiles,
+    mismatch_sums,
     quantile_name,
 )
 
@@ -56,7 +58,9 @@ __all__ = [
     "measure",
     "mismatch_metrics",
     "mismatch_quantiles",
+    "mismatch_sums",
     "quantile_name",
+    "reduce_metrics",
     "sequence_log_ratio",
     "token_logprobs",
     "token_logprobs_and_entropy",

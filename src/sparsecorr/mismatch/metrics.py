@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_choice, check_float_tensor, check_mask, check_same_shape
-from .record import LOG_RATIO_CLAMP
+from .._checks import check_choice, check_dim, check_float_tensor, check_mask, check_same_shape
+from .._ratio import LOG_RATIO_CLAMP, clamp_log_ratio
 
 __all__ = [
     "LOG_RATIO_CLAMP",
@@ -55,7 +55,7 @@ def log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Te
     _check_pair(old_logp, rollout_logp, mask)
     raw = old_logp.float() - rollout_logp.float()
     keep = mask & torch.isfinite(raw)
-    return torch.where(keep, raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
+    return torch.where(keep, clamp_log_ratio(raw), 0.0)
 
 
 def kl_k1(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -120,6 +120,7 @@ def effective_sample_size(
     """
     check_float_tensor("weights", weights)
     check_mask(mask, weights)
+    dim = check_dim("dim", dim, weights.dim(), allow_none=True)
     w = torch.where(mask, weights.float(), 0.0)
     dims = tuple(range(w.dim())) if dim is None else (dim,)
     n = mask.sum(dims).float()

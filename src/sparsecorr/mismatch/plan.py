@@ -26,8 +26,6 @@ Example:
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from .._dist import all_reduce_max, all_reduce_sum
@@ -35,7 +33,6 @@ from .._dist import all_reduce_max, all_reduce_sum
 __all__ = ["MetricPlan"]
 
 
-@lru_cache(maxsize=256)
 def _tables(spec: tuple, n_sums: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """The numerators' terms of a plan's ``M`` ratios as (sum index, coefficient, ratio index)
     ``[E]`` each, the denominators' sum indices ``[M]`` and the offsets ``[M]`` (index ``K`` is
@@ -55,12 +52,10 @@ def _tables(spec: tuple, n_sums: int, device: torch.device) -> tuple[torch.Tenso
             torch.tensor(offs, dtype=torch.float32, device=device))
 
 
-@lru_cache(maxsize=8)
 def _one(device: torch.device) -> torch.Tensor:
     return torch.ones((), device=device)
 
 
-@lru_cache(maxsize=256)
 def _extreme_tables(spec: tuple, n_sums: int, device: torch.device):
     """Count indices ``[E]`` (``n_sums``: the constant 1), signs ``[E]`` and fill values ``[E]``."""
     idx = torch.tensor([n_sums if e is None else e for e, _, _ in spec], dtype=torch.long)

@@ -52,28 +52,6 @@ def _interpolate(sorted_x: torch.Tensor, n: torch.Tensor, q: torch.Tensor) -> to
     return torch.where(n[:, None] > 0, out, float("nan"))
 
 
-def _select_quantiles(vals: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Quantiles of a 1-D tensor by O(n) selection (two ``kthvalue`` per level), float32 ``[Q]``.
-
-    On CPU this is ~10x faster than a full sort for a few levels; it needs the number of values
-    on the host, so CUDA inputs take the sort path instead (no synchronisation there).
-    """
-    n = vals.numel()
-    if n == 0:
-        return torch.full((q.numel(),), float("nan"))
-    out = []
-    for level in q.tolist():
-        h = level * (n - 1)
-        k = int(h)
-        frac = h - k
-        x_lo = vals.kthvalue(k + 1).values
-        if frac > 0:
-            x_hi = vals.kthvalue(min(k + 2, n)).values
-            x_lo = x_lo + frac * (x_hi - x_lo)
-        out.append(x_lo)
-    return torch.stack(out).float()
-
-
 def masked_quantile(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -106,17 +84,13 @@ def masked_quantile(
         d = None  # a 0-d input reduces to itself
     xf = x.float()
     valid = mask & torch.isfinite(xf)
-    if dim is None and xf.device.type == "cpu" and qt.numel() <= 4:
-        res = _select_quantiles(xf[valid], qt)
-        return res[0] if scalar else res
+    out_shape: tuple[int, ...] = () if dim is None else tuple(s for i, s in enumerate(x.shape) if i != d)
+    if x.numel() == 0:  # nothing to reduce (a static shape): NaN for every output position
+        res = torch.full((*out_shape, qt.numel()), float("nan"), device=x.device)
+        return res[..., 0] if scalar else res
     if dim is None:
         rows, vrows = xf.reshape(1, -1), valid.reshape(1, -1)
-        out_shape: tuple[int, ...] = ()
     else:
-        out_shape = tuple(s for i, s in enumerate(x.shape) if i != d)
-        if x.numel() == 0:  # nothing to reduce: NaN for every output position
-            res = torch.full((*out_shape, qt.numel()), float("nan"), device=x.device)
-            return res[..., 0] if scalar else res
         rows = xf.movedim(d, -1).reshape(-1, x.shape[d])
         vrows = valid.movedim(d, -1).reshape(-1, x.shape[d])
     filled = torch.where(vrows, rows, float("inf"))

@@ -32,9 +32,10 @@ from .._dist import all_gather_varlen
 from .plan import MetricPlan
 from .quantiles import masked_quantile
 from .record import Mismatch, _extremes, measure
+from .reduce import reduce_metrics
 
 __all__ = ["LEVELS", "add_mismatch_metrics", "as_metrics", "mismatch_metrics", "mismatch_quantiles",
-           "quantile_name"]
+           "mismatch_sums", "quantile_name"]
 
 LEVELS = ("default", "full")
 DEFAULT_QUANTILES = (0.01, 0.05, 0.5)
@@ -106,9 +107,7 @@ def mismatch_metrics(
     full = level == "full"
     qs = tuple(quantiles) if quantiles is not None else (DEFAULT_QUANTILES if full else ())
     with torch.no_grad():
-        plan = MetricPlan()
-        add_mismatch_metrics(plan, mm, full=full)
-        out = plan.resolve(group)
+        out = reduce_metrics(mismatch_sums(mm, full=full), group)
         out.update(mismatch_quantiles(mm, qs, group=group))
     return as_metrics(out)
 
@@ -126,6 +125,41 @@ def mismatch_quantiles(mm: Mismatch, quantiles: Sequence[float], *, group: objec
         acc, ok = _acceptance_valid(mm)
         for q, v in zip(quantiles, _quantiles(acc, ok, quantiles, group)):
             out[f"mismatch/acceptance_{quantile_name(q)}"] = v
+    return out
+
+
+def mismatch_sums(mm: Mismatch, *, full: bool = False) -> dict[str, torch.Tensor]:
+    """The record's moment metrics (module table) as 0-d sums and counts (``reduce_metrics``
+    conventions): four reductions for the default level, four more for ``full``."""
+    lr = mm.log_ratio  # [B, T], 0 off valid
+    e = mm.ratio_m1  # [B, T], 0 off valid
+    n = mm.tokens
+    s_lr, s_e = lr.sum(), e.sum()
+    lo, hi = mm.log_ratio_extremes  # 0 off the valid tokens: max(-min, max) is exact
+    out = {
+        "mismatch/tokens": n,
+        "mismatch/nonfinite_count": mm.nonfinite,
+        "mismatch/log_ratio_mean": s_lr, "mismatch/log_ratio_mean#n": n,
+        "mismatch/kl_k1_mean": -s_lr, "mismatch/kl_k1_mean#n": n,
+        "mismatch/kl_k3_mean": s_e - s_lr, "mismatch/kl_k3_mean#n": n,
+        # 0 (not NaN) on an empty batch: every entry is 0 there
+        "mismatch/log_ratio_abs_max#max": torch.maximum(hi, lo.neg()),
+        "mismatch/log_ratio_abs_max#n": torch.ones((), device=lr.device),
+    }
+    if full:
+        mean = s_lr / n.clamp(min=1)  # lies inside [min, max] of the valid values
+        r_lo, r_hi = _extremes(torch.where(mm.valid, lr, mean))
+        out.update({
+            "mismatch/log_ratio_abs_mean": lr.abs().sum(), "mismatch/log_ratio_abs_mean#n": n,
+            "mismatch/kl_k2_mean": 0.5 * lr.square().sum(), "mismatch/kl_k2_mean#n": n,
+            "mismatch/chi2_mean": e.square().sum(), "mismatch/chi2_mean#n": n,
+            "mismatch/ratio_min#min": torch.exp(r_lo), "mismatch/ratio_min#n": n,
+            "mismatch/ratio_max#max": torch.exp(r_hi), "mismatch/ratio_max#n": n,
+        })
+    if mm.acceptance is not None:
+        acc, ok = _acceptance_valid(mm)
+        out["mismatch/acceptance_mean"] = torch.where(ok, acc, 0.0).sum()
+        out["mismatch/acceptance_mean#n"] = count(ok)
     return out
 
 

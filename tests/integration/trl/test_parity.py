@@ -62,6 +62,10 @@ OTHER = {
     "completion_length": {"max_completion_length": 9},
     "sapo_temperatures": {**MOVING, "loss_type": "sapo", "sapo_temperature_pos": 2.0,
                           "sapo_temperature_neg": 0.5},
+    # VESPO (one class and one registry row in sparsecorr): TRL's real gamma-weight code
+    "vespo_gamma": {**MOVING, "loss_type": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5,
+                    "vespo_k_neg": 2.5, "vespo_lambda_neg": 1.5},
+    "vespo_beta_bias": {**MOVING, "loss_type": "vespo", "beta": 0.5, "use_bias_correction_kl": True},
 }
 
 
@@ -79,7 +83,7 @@ def test_loss_types_by_schedule(tmp_path, loss_type, schedule):
 
 
 #: (loss type, option) pairs TRL runs that SparseGRPOTrainer rejects (sparsecorr_trl.options)
-REJECTED = {(loss, option) for loss in ("cispo", "sapo")
+REJECTED = {(loss, option) for loss in ("cispo", "sapo", "vespo")
             for option in ("sequence_ratio", "sequence_ratio_beta_bias")}
 
 

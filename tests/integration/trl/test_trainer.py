@@ -77,7 +77,6 @@ def test_each_rejected_value_raises_naming_the_option(rule):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(loss_type="vespo"), "loss_type"),
     (dict(delta=1.1), "delta"),
 ])
 def test_trainer_init_rejects(tmp_path, overrides, match):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparsecorr.correction import sparse_rl
-from sparsecorr.losses import CISPO, GSPO, SAPO, SURROGATES, KLPenalty, PPOClip, sparse_grpo
+from sparsecorr.losses import CISPO, GSPO, SAPO, SURROGATES, VESPO, KLPenalty, PPOClip, sparse_grpo
 
 
 def _batch(seed=0, b=5, t=7):
@@ -55,7 +55,7 @@ def test_surrogate_matches_its_formula(surrogate, reference):
 def test_gspo_default_is_the_tight_clip_and_registry_names_build_defaults():
     assert GSPO() == GSPO(clip_low=3e-4, clip_high=4e-4)
     assert {k: type(v()) for k, v in SURROGATES.items()} == {
-        "ppo": PPOClip, "gspo": GSPO, "cispo": CISPO, "sapo": SAPO}
+        "ppo": PPOClip, "gspo": GSPO, "cispo": CISPO, "sapo": SAPO, "vespo": VESPO}
     logp, old, _, mask, adv = _batch(1)
     a = sparse_grpo(logp, old, adv, mask, surrogate="gspo").loss
     b = sparse_grpo(logp, old, adv, mask, surrogate=GSPO()).loss

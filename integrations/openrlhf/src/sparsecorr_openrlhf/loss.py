@@ -26,7 +26,7 @@ from torch import nn
 
 from sparsecorr.correction import CorrectionFn, get_preset, openrlhf
 from sparsecorr.losses import GSPO, Aggregation, PPOClip, sparse_grpo
-from sparsecorr.mismatch import measure, mismatch_metrics
+from sparsecorr.mismatch import measure, mismatch_quantiles
 
 __all__ = ["SparsePolicyLoss"]
 
@@ -127,12 +127,16 @@ class SparsePolicyLoss(nn.Module):
             mm = measure(old_log_probs, rollout_log_probs, mask)
         out = sparse_grpo(log_probs, old_log_probs, advantages, mask, mismatch=mm,
                           correction=self.correction, surrogate=surrogate, aggregation=aggregation)
-        if mm is not None and self.metrics_quantiles:
-            out.metrics.update(mismatch_metrics(mm, level="default", quantiles=self.metrics_quantiles))
-        clip_ratio, ppo_kl = self._ppo_stats(log_probs, old_log_probs, advantages, mask)
+        if mm is not None and self.metrics_quantiles:  # the moments are in out.metrics already
+            out.metrics.update(mismatch_quantiles(mm, self.metrics_quantiles))
+        clip_ratio = self._clip_ratio(out, advantages)
+        ppo_kl = out.metrics["loss/ppo_kl_k1_mean"]
         vllm_kl = filter_ratio = None
         if self.correction is not None:
-            vllm_kl = _vllm_kl(rollout_log_probs, old_log_probs, mask)
+            # OpenRLHF's vllm_kl: the mean of rollout_logp - old_logp over the finite tokens,
+            # -mean(log-ratio) of the record sparse_grpo measured (a non-finite log-prob is
+            # left out and counted, correction/nonfinite_count, instead of giving +-1e38)
+            vllm_kl = out.metrics["mismatch/kl_k1_mean"]
             filter_ratio = out.metrics.get(
                 "correction/is_filter_ratio", 1.0 - out.metrics.get("correction/kept_token_frac", torch.ones(())))
         self.last_metrics = out.metrics
@@ -141,39 +145,16 @@ class SparsePolicyLoss(nn.Module):
         return out.loss, clip_ratio, ppo_kl, vllm_kl, filter_ratio
 
     @torch.no_grad()
-    def _ppo_stats(self, log_probs, old_log_probs, advantages, mask):
-        """OpenRLHF's ``clip_ratio`` and ``ppo_kl``: the fraction of tokens whose clipped surrogate
-        is the smaller one, for the ratio the loss clips (per token for PPO; for GSPO the
-        sequence ratio ``exp(mean_t(logp - old_logp))`` broadcast over the row, as OpenRLHF)."""
-        lr = (log_probs.detach().float() - old_log_probs.float())
-        if self.policy_loss_type == "gspo":
-            seq = torch.where(mask, lr, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
-            ratio = seq.exp()[:, None].expand_as(lr)
-        else:
-            ratio = lr.clamp(-20.0, 20.0).exp()
+    def _clip_ratio(self, out, advantages):
+        """OpenRLHF's ``clip_ratio``: the fraction of the loss's tokens whose clipped surrogate
+        is the smaller one, read from the ratio the loss used (``out.ratio``: per token for
+        PPO; GSPO's sequence ratio, broadcast over the row, as OpenRLHF)."""
+        ratio, kept = out.ratio, out.mask  # [B, T] or [B, 1]; [B, T]
         adv = advantages.float() if advantages.dim() == 2 else advantages.float()[:, None]
-        surr1 = ratio * adv
-        surr2 = ratio.clamp(1 - self.clip_eps_low, 1 + self.clip_eps_high) * adv
-        n = mask.sum().clamp(min=1)
-        clip_ratio = ((surr2 < surr1) & mask).sum() / n
-        ppo_kl = torch.where(mask, -lr, 0.0).sum() / n
-        return clip_ratio, ppo_kl
+        clipped = (((adv > 0) & (ratio > 1 + self.clip_eps_high))
+                   | ((adv < 0) & (ratio < 1 - self.clip_eps_low)))
+        return (clipped & kept).sum() / kept.sum().clamp(min=1)
 
     def extra_repr(self) -> str:
         return (f"clip=({self.clip_eps_low}, {self.clip_eps_high}), dual_clip={self.dual_clip}, "
                 f"token_level_loss={self.token_level_loss}, correction={self.correction!r}")
-
-
-@torch.no_grad()
-def _vllm_kl(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
-             mask: torch.Tensor) -> torch.Tensor:
-    """OpenRLHF's ``vllm_kl``, the masked mean of ``rollout_logp - old_logp``, over the tokens
-    where both are finite: a non-finite log-prob is masked out here as in the loss (and counted
-    there, ``correction/nonfinite_count``) instead of turning the metric into ±1e38.
-
-    Shapes:
-        rollout_log_probs, old_log_probs, mask: ``[B, T]`` -> 0-d.
-    """
-    diff = rollout_log_probs.detach().float() - old_log_probs.detach().float()
-    ok = mask & torch.isfinite(diff)
-    return torch.where(ok, diff, 0.0).sum() / ok.sum().clamp(min=1)

@@ -9,7 +9,8 @@ Every ``loss_type`` SparseGRPOTrainer accepts is a ``sparse_grpo`` surrogate and
 
 with \(\rho = \pi_\theta/\pi_\text{old}\) (one length-normalised ratio per row with
 ``importance_sampling_level="sequence"``: GSPO), \(s\) the surrogate (``PPOClip`` for the PPO
-types, ``CISPO(cap=epsilon_high)``, ``SAPO(sapo_temperature_pos, sapo_temperature_neg)``),
+types, ``CISPO(cap=epsilon_high)``, ``SAPO(sapo_temperature_pos, sapo_temperature_neg)``,
+``VESPO(vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)``),
 \(w\) the sparsecorr correction's detached weight (1 without a correction), \(f \in \{0, 1\}\)
 TRL's entropy mask (``top_entropy_quantile``) times its off-policy sequence mask
 (``off_policy_mask_threshold``, OPSM: DeepSeek-V3.2), which zero a token's loss but keep it in
@@ -27,6 +28,7 @@ TRL's two-sided clip is ``PPOClip``'s dual clip (Ye et al. 2020): for \(A<0\) th
 | ``dr_grpo`` | PPO | ``seq-mean-token-sum-norm`` | \(S = B\), \(L\) = ``max_completion_length`` | GA |
 | ``dapo``, ``cispo`` | PPO, CISPO | ``token-mean`` | \(N\) = ``num_items_in_batch`` / processes x GA / ``steps_per_generation`` | 1 |
 | ``luspo`` | PPO | ``seq-mean-token-sum`` | \(S = B\) | GA |
+| ``vespo`` | VESPO | ``token-mean`` | as ``dapo`` | 1 |
 
 ``num_items_in_batch`` counts the loss tokens of the whole generation batch over all processes
 (after the correction's rejections, when one is set), so ``dapo`` divides every micro-batch by
@@ -42,11 +44,12 @@ Shapes:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from sparsecorr.losses import CISPO, GSPO, SAPO, Aggregation, KLPenalty, PPOClip, sparse_grpo
+from sparsecorr.losses import CISPO, GSPO, SAPO, VESPO, Aggregation, KLPenalty, PPOClip, sparse_grpo
 from sparsecorr.mismatch import LOG_RATIO_CLAMP
 
 #: TRL ``loss_type`` -> (sparsecorr aggregation, divided by the accumulation steps)
@@ -58,6 +61,7 @@ AGGREGATION_BY_LOSS_TYPE = {
     "dapo": ("token-mean", False),
     "cispo": ("token-mean", False),
     "luspo": ("seq-mean-token-sum", True),
+    "vespo": ("token-mean", False),
 }
 #: loss types whose surrogate is the clipped PPO ratio (TRL logs ``clip_ratio/*`` for them)
 PPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -80,6 +84,7 @@ class LossSpec:
         bias_correction_kl: ``use_bias_correction_kl``.
         max_completion_length: the ``dr_grpo`` length.
         sapo_temperatures: ``(sapo_temperature_pos, sapo_temperature_neg)``.
+        vespo: ``(vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)``.
     """
 
     loss_type: str
@@ -91,6 +96,7 @@ class LossSpec:
     bias_correction_kl: bool
     max_completion_length: int
     sapo_temperatures: tuple[float, float] = (1.0, 1.05)
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)
 
     @classmethod
     def from_args(cls, args) -> LossSpec:
@@ -101,12 +107,17 @@ class LossSpec:
                    bias_correction_kl=bool(args.use_bias_correction_kl),
                    max_completion_length=int(args.max_completion_length),
                    sapo_temperatures=(float(args.sapo_temperature_pos),
-                                      float(args.sapo_temperature_neg)))
+                                      float(args.sapo_temperature_neg)),
+                   vespo=(float(args.vespo_k_pos), float(args.vespo_lambda_pos),
+                          float(args.vespo_k_neg), float(args.vespo_lambda_neg)))
 
     def surrogate(self):
         """The ``sparse_grpo`` surrogate object of this loss type."""
         if self.loss_type == "cispo":
             return CISPO(cap=self.clip_high)
+        if self.loss_type == "vespo":
+            k_pos, lambda_pos, k_neg, lambda_neg = self.vespo
+            return VESPO(k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg)
         if self.loss_type == "sapo":
             return SAPO(temperature_pos=self.sapo_temperatures[0],
                         temperature_neg=self.sapo_temperatures[1])
@@ -138,7 +149,7 @@ def aggregation(spec: LossSpec, *, mask: torch.Tensor, num_items_in_batch: torch
     """
     mode, by_accum = AGGREGATION_BY_LOSS_TYPE[spec.loss_type]
     divisor = float(grad_accum) if (by_accum and train) else 1.0
-    if spec.loss_type in ("dapo", "cispo"):
+    if spec.loss_type in ("dapo", "cispo", "vespo"):
         if num_items_in_batch is None:
             raise ValueError("num_items_in_batch: expected the generation batch's token count "
                              f"with loss_type={spec.loss_type!r}, got None")
@@ -165,6 +176,7 @@ class LossParts:
             loss applies it, or None without a KL term.
         metrics: ``sparse_grpo``'s ``loss/*`` metrics (and ``mismatch/*`` without a
             correction).
+        sums: their 0-d sums and counts (TRL's ``vespo/phi_seq_mean`` is reduced from them).
     """
 
     loss: torch.Tensor
@@ -172,14 +184,7 @@ class LossParts:
     ratio: torch.Tensor
     per_token_kl: torch.Tensor | None
     metrics: dict[str, torch.Tensor]
-
-
-def _ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """\\(\\rho\\) with gradient: per token, or \\(\\exp\\) of the row's mean log-ratio ``[B, 1]``."""
-    log_ratio = torch.where(mask, logp - old_logp, 0.0)
-    if level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    sums: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def _k3(logp, ref_logp, mask):
@@ -213,21 +218,23 @@ def trl_loss(spec: LossSpec, logp: torch.Tensor, old_logp: torch.Tensor, advanta
         adv = (adv[:, None] if adv.dim() == 1 else adv) * factor.float()
     # KLPenalty's bias correction uses the surrogate's ratio: GSPO's sequence ratio, as TRL
     kl = 0.0 if spec.beta == 0.0 else KLPenalty(spec.beta, spec.bias_correction_kl)
+    # the record's and the correction's metrics are logged once per generation batch, where
+    # they were computed; a record built here (no correction) is reported with the loss
     out = sparse_grpo(logp, old_logp, adv, mask, mismatch=mismatch, correction=correction,
                       surrogate=spec.surrogate(), aggregation=agg,
-                      ref_logp=ref_logp if spec.beta != 0.0 else None, kl=kl)
+                      ref_logp=ref_logp if spec.beta != 0.0 else None, kl=kl,
+                      metrics="loss" if mismatch is None else "default")
     kept, loss = out.mask, out.loss
-    ratio = _ratio(logp, old_logp, kept, spec.ratio_level)
+    ratio = out.ratio  # detached, the one the surrogate used (TRL's metrics read it)
     per_token_kl = None
     if spec.beta != 0.0:
-        k3 = _k3(logp, ref_logp, kept)
-        term = k3 * ratio if spec.bias_correction_kl else k3
-        per_token_kl = torch.where(kept, term.detach(), 0.0)
-    shown = ratio.detach()
+        with torch.no_grad():
+            k3 = _k3(logp.detach(), ref_logp, kept)
+            term = k3 * ratio if spec.bias_correction_kl else k3
+            per_token_kl = torch.where(kept, term, 0.0)
+    shown = ratio
     if spec.delta is not None and spec.ppo:  # TRL's metrics read the delta-clamped ratio
         shown = shown.clamp(max=spec.delta)
-    # a correction computed at generation logged its own and the record's metrics there
-    shown_metrics = ("loss/",) if correction is not None else ("loss/", "mismatch/")
-    metrics = {k: v for k, v in out.metrics.items() if k.startswith(shown_metrics)}
+    metrics = {k: v for k, v in out.metrics.items() if k.startswith(("loss/", "mismatch/"))}
     return LossParts(loss=loss / divisor, policy_loss=loss.detach(), ratio=shown,
-                     per_token_kl=per_token_kl, metrics=metrics)
+                     per_token_kl=per_token_kl, metrics=metrics, sums=out.sums)

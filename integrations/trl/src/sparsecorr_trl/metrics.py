@@ -45,7 +45,8 @@ def _global_mean(accelerator, x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def trl_metrics(accelerator, *, loss_type: str, ratio: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, entropies: torch.Tensor, per_token_kl: torch.Tensor | None,
-                clip_low: float, clip_high: float) -> dict[str, float]:
+                clip_low: float, clip_high: float,
+                sums: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """TRL's ``kl``, ``entropy`` and ``clip_ratio/*`` for one micro-batch (module docstring).
 
     Args:
@@ -58,6 +59,8 @@ def trl_metrics(accelerator, *, loss_type: str, ratio: torch.Tensor, advantages:
         entropies: per-token entropies.
         per_token_kl: the detached KL term, or None without a reference model.
         clip_low, clip_high: \\(\\varepsilon_l, \\varepsilon_h\\).
+        sums: ``sparse_grpo``'s metric sums (``vespo`` reads its per-sequence gamma weights'
+            sum and count there instead of recomputing them).
 
     Shapes:
         ratio: ``[B, T]`` or ``[B, 1]``; advantages ``[B, 1]``; others ``[B, T]``.
@@ -66,10 +69,14 @@ def trl_metrics(accelerator, *, loss_type: str, ratio: torch.Tensor, advantages:
     if per_token_kl is not None:
         out["kl"] = _global_mean(accelerator, per_token_kl, mask)
     out["entropy"] = _global_mean(accelerator, entropies, mask)
-    if loss_type == "cispo":
+    if loss_type == "vespo":
+        key = "loss/vespo_phi_seq_mean"
+        totals = accelerator.reduce(torch.stack([sums[key], sums[key + "#n"]]).float(), reduction="sum")
+        out["vespo/phi_seq_mean"] = (totals[0] / totals[1].clamp(min=1.0)).item()
+    elif loss_type == "cispo":
         clipped = ((ratio > clip_high) & (advantages > 0)).float()
         out["cispo_clip_ratio"] = _global_mean(accelerator, clipped, mask)
-    elif loss_type != "sapo":
+    elif loss_type not in ("sapo", "vespo"):
         low = ((ratio < 1 - clip_low) & (advantages < 0)).float()
         high = ((ratio > 1 + clip_high) & (advantages > 0)).float()
         out["clip_ratio/low_mean"] = _global_mean(accelerator, low, mask)

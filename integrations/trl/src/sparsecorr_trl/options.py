@@ -42,6 +42,10 @@ PARITY: dict[str, str] = {
     "router_aux_loss_coef": "MoE load-balancing loss, added as TRL adds it (tiny Qwen3-MoE)",
     "sapo_temperature_pos": "SAPO's gate temperature for positive advantages",
     "sapo_temperature_neg": "SAPO's gate temperature for other advantages",
+    "vespo_k_pos": "VESPO's gamma power for non-negative advantages",
+    "vespo_lambda_pos": "VESPO's gamma decay for non-negative advantages",
+    "vespo_k_neg": "VESPO's gamma power for negative advantages",
+    "vespo_lambda_neg": "VESPO's gamma decay for negative advantages",
     "off_policy_mask_threshold": "OPSM: zeroes a sequence's loss, keeps it in the denominator",
     "top_entropy_quantile": "entropy mask: zeroes a token's loss, keeps it in the denominator",
     "entropy_coef": "entropy bonus (mean entropy over the tokens the loss acts on)",
@@ -89,8 +93,6 @@ TRL: dict[str, str] = {
     "log_completions": "logging", "log_multimodal": "logging",
     "num_completions_to_print": "logging", "log_unique_prompts": "logging",
     "log_completions_hub_repo": "logging",
-    **{name: "read only by loss_type='vespo', which is rejected" for name in (
-        "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
 }
 
 
@@ -119,9 +121,9 @@ _POLICY = {"policy": "streaming_llm", "budget": 4}
 
 RULES: tuple[Rule, ...] = (
     Rule("loss_type", f"anything but {sorted(AGGREGATION_BY_LOSS_TYPE)}",
-         "vespo's sequence-level gamma weights are not a sparse_grpo surrogate",
-         lambda a, c: a.loss_type not in AGGREGATION_BY_LOSS_TYPE, {"loss_type": "vespo"}),
-    Rule("importance_sampling_level", "'sequence' with cispo or sapo",
+         "a loss type without a sparse_grpo surrogate (every TRL 1.16 loss type has one)",
+         lambda a, c: a.loss_type not in AGGREGATION_BY_LOSS_TYPE, {"loss_type": "reinforce"}),
+    Rule("importance_sampling_level", "'sequence' with cispo, sapo or vespo",
          "sparse_grpo's sequence ratio (GSPO) is the clipped PPO surrogate only",
          lambda a, c: a.importance_sampling_level != "token" and a.loss_type not in PPO_LOSS_TYPES,
          {"importance_sampling_level": "sequence", "loss_type": "cispo"}),

@@ -9,14 +9,16 @@ advantages), then, for rollouts whose sampler log-probs are known (a sparse poli
 2. the acceptance \(\alpha_t\) (`acceptance`) when the correction or the controller reads
    it;
 3. one ``Mismatch`` record (``sparsecorr.mismatch.measure``) and the ``Correction`` of the
-   whole generation batch, its metrics logged once per generation as ``sparsecorr/*``;
+   whole generation batch, their metrics logged once per generation as ``sparsecorr/*``
+   (the loss logs only its own ``loss/*``: nothing is computed twice);
 4. advantages re-derived with the rollouts the correction rejected whole left out of their
    group's mean and standard deviation (``trl_advantages(valid=correction.sequence_mask)``);
 5. ``num_items_in_batch`` re-counted as the kept tokens of the generation batch over all
    processes, so ``dapo``/``cispo`` divide by the tokens that are actually in the loss.
 
 The correction's mask and weights travel with the batch (TRL shuffles and splits it into
-micro-batches) and the loss applies them; the controller is fed the acceptance here.
+micro-batches) and the loss applies them (without a correction, the record's valid mask
+travels alone); the controller is fed the acceptance here.
 
 **The acceptance, one definition.** \(\alpha_t = \sum_v \min(p_t(v), q_t(v)) = 1 -
 \mathrm{TV}(p_t, q_t)\) between the dense (\(p\)) and the sparse sampler's (\(q\)) next-token
@@ -145,7 +147,10 @@ def score_rollouts(trainer, out: dict, *, topk: tuple | None) -> dict:
         for cb in trainer._callbacks():
             cb.observe(acc, mm.valid & finite(acc), prompt_lengths)
     correction = trainer.sparsecorr_correction
-    if correction is None:
+    if correction is None:  # no correction: the loss still leaves non-finite rollout tokens out
+        out["sparsecorr_mask"] = mm.valid
+        if trainer.sparsecorr_config.log_metrics:
+            _log(trainer, mismatch_metrics(mm, level="default"))
         return out
     corr = correction(mm)
     out["sparsecorr_mask"] = corr.mask

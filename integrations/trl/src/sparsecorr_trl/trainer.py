@@ -287,7 +287,7 @@ class SparseGRPOTrainer(_trainer_base()):
         logged.update(trl_metrics(
             self.accelerator, loss_type=spec.loss_type, ratio=parts.ratio, advantages=adv2d,
             mask=mask, entropies=entropies, per_token_kl=parts.per_token_kl,
-            clip_low=spec.clip_low, clip_high=spec.clip_high))
+            clip_low=spec.clip_low, clip_high=spec.clip_high, sums=parts.sums))
         mode = "train" if train else "eval"
         for name, value in logged.items():
             self._metrics[mode][name].append(value)
@@ -295,18 +295,19 @@ class SparseGRPOTrainer(_trainer_base()):
         return loss
 
     def _sparsecorr_loss_correction(self, inputs, old_logp, mask):
-        """The rollout's ``Mismatch`` record and the ``Correction`` computed at generation
-        (``sparsecorr_trl.score``) for this micro-batch; ``(None, None)`` without sampler
-        log-probs."""
+        """The ``Correction`` computed once per generation batch (``sparsecorr_trl.score``),
+        rebuilt for this micro-batch from the mask and weights carried in the batch (no
+        second ``measure``: the record's and the correction's metrics were logged there);
+        ``(None, None)`` without sampler log-probs. A batch that did not go through the
+        generate-and-score step (no carried mask) is measured here."""
+        if "sparsecorr_mask" in inputs:
+            return None, Correction(mask=inputs["sparsecorr_mask"],
+                                    token_weights=inputs.get("sparsecorr_weights"))
         rollout_logp = inputs.get("sampling_per_token_logps")
         if rollout_logp is None:
             return None, None
-        mm = measure(inputs.get("sparsecorr_old_logp", old_logp), rollout_logp, mask,
-                     validate=False)
-        if "sparsecorr_mask" not in inputs:
-            return mm, None
-        return mm, Correction(mask=inputs["sparsecorr_mask"],
-                              token_weights=inputs["sparsecorr_weights"])
+        return measure(inputs.get("sparsecorr_old_logp", old_logp), rollout_logp, mask,
+                       validate=False), None
 
     def _callbacks(self):
         from sparsecorr_trl.callback import SparseCorrCallback

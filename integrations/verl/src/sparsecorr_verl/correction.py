@@ -41,12 +41,12 @@ import torch
 
 from sparsecorr.correction import CorrectionFn, batch_normalized, chain, get_preset
 from sparsecorr.mismatch import (
-    MetricPlan,
-    add_mismatch_metrics,
     binned_quantile,
     measure,
     mismatch_quantiles,
+    mismatch_sums,
     quantile_name,
+    reduce_metrics,
 )
 
 __all__ = ["SPEC_KEY", "DriverSpec", "correction_from_spec", "driver_spec", "rollout_correction"]
@@ -208,11 +208,10 @@ def rollout_correction(batch: Any, spec: DriverSpec) -> tuple[Any, dict[str, flo
     mm = measure(old, rollout, mask_in.bool(), acceptance=_acceptance(tensors, spec, old, rollout))
     corr = spec.correction(mm) if spec.correction is not None else None
     with torch.no_grad():
-        plan = MetricPlan()
-        add_mismatch_metrics(plan, mm, full=True)
+        sums = mismatch_sums(mm, full=True)
         if corr is not None:
-            corr.add_metrics(plan, full=True)
-        metrics = dict(plan.resolve())
+            sums.update(corr.metric_sums(full=True))
+        metrics = reduce_metrics(sums)
         metrics.update(mismatch_quantiles(mm, spec.quantiles))
         offset = _offsets(tensors, old.shape[-1])
         metrics.update(_binned("log_ratio", mm.log_ratio, mm.valid, spec, offset))

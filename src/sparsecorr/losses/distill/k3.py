@@ -37,6 +37,8 @@ def sparse_kl_k3(sparse_logp: torch.Tensor, dense_logp: torch.Tensor, mask: torc
     Shapes:
         sparse_logp, dense_logp, mask: ``[B, T]`` -> ``[B, T]`` float32 (≥ 0).
     """
+    check_float_tensor("sparse_logp", sparse_logp)
+    check_float_tensor("dense_logp", dense_logp)
     return kl_k3(dense_logp.detach(), sparse_logp, mask)
 
 
