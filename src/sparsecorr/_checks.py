@@ -108,7 +108,10 @@ def as_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def count_int(mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """int64 number of True (nonzero) entries (``count_nonzero``)."""
+    """int64 number of True (nonzero) entries (``count_nonzero``; of a ``[B, T]`` mask as row
+    counts, then their sum: see ``_masks.total``)."""
+    if dim is None and mask.dim() == 2:
+        return torch.count_nonzero(mask, dim=-1).sum()
     return torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim=dim)
 
 

@@ -4,7 +4,28 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["and_rows", "count_rows", "row_any"]
+__all__ = ["and_rows", "count_rows", "extremes", "row_any", "total"]
+
+
+def total(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """0-d sum of every entry; of a ``[B, T]`` tensor as its row sums, then their sum.
+
+    Every batch sum of the loss path goes through here: under ``torch.compile`` a row
+    reduction fuses into the loop over rows that computes ``x``, even when that loop reads a
+    ``[B]`` value it waits for (the veto's row test), so the sums of a stage cost no pass over
+    ``[B, T]`` of their own; a flat sum of such an ``x`` is one more pass (inductor
+    materialises ``x`` and reads it back). ``dtype`` is the accumulation dtype of both steps.
+    """
+    if x.dim() == 2:
+        return x.sum(dim=-1, dtype=dtype).sum()
+    return x.sum(dtype=dtype)
+
+
+def extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d ``(min, max)`` of a non-empty tensor; of a ``[B, T]`` one per row first (as ``total``)."""
+    if x.dim() == 2:
+        return x.amin(dim=-1).amin(), x.amax(dim=-1).amax()
+    return x.amin(), x.amax()
 
 
 def row_any(mask: torch.Tensor) -> torch.Tensor:

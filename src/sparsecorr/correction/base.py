@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import count
-from .._masks import row_any
+from .._masks import extremes, row_any, total
 from ..mismatch import Mismatch, reduce_metrics
 
 __all__ = ["Correction", "CorrectionFn", "chain", "masked_extremes"]
@@ -140,16 +140,20 @@ def masked_extremes(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     if x.numel() == 0:
         z = torch.zeros((), device=x.device)
         return z, z
-    return torch.where(mask, x, float("inf")).amin(), torch.where(mask, x, float("-inf")).amax()
+    return extremes(torch.where(mask, x, float("inf")))[0], extremes(torch.where(mask, x, float("-inf")))[1]
 
 
 def standard_sums(c: Correction, *, full: bool = False) -> dict[str, torch.Tensor]:
     """The sums and counts of the metrics every correction reports."""
     src = c.source
     kept = c.tokens
-    w = c.weights  # [B, T], 0 off the mask
-    s1 = w.sum()
-    s2 = w.square().sum()
+    # the sums of the token weights, times the batch scale: a scalar on two sums, no [B, T] pass
+    # that waits for the scale
+    w = c.mask.float() if c.token_weights is None else c.token_weights.detach().float()  # [B, T]
+    s1, s2 = total(w), total(w.square())
+    if c.scale is not None:
+        scale = c.scale.detach().reshape(())
+        s1, s2 = s1 * scale, s2 * scale.square()
     n_in = count(c.mask) if src is None else src.input_tokens
     out = {
         "correction/kept_token_frac": kept, "correction/kept_token_frac#n": n_in,
@@ -161,7 +165,7 @@ def standard_sums(c: Correction, *, full: bool = False) -> dict[str, torch.Tenso
     }
     if full:
         rows_in = row_any(c.mask) if src is None else src.input_rows
-        lo, hi = masked_extremes(w, c.mask)
+        lo, hi = masked_extremes(c.weights, c.mask)
         out.update({
             "correction/kept_seq_frac": count(c.sequence_mask & rows_in),
             "correction/kept_seq_frac#n": count(rows_in),

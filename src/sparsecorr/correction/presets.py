@@ -17,7 +17,7 @@ import torch
 
 from .._checks import count, finite
 from .._dist import all_reduce_sum
-from .._masks import and_rows, row_any
+from .._masks import and_rows, row_any, total
 from .._ratio import clamp_log_ratio, ratio
 from ..mismatch import Mismatch
 from .base import Correction, CorrectionFn, _check_record
@@ -204,9 +204,9 @@ def normalize(c: Correction, group: object | None = None) -> Correction:
     if c.token_weights is None:  # every kept weight is 1 already
         return c
     # float64 sums: the scale does not depend on how the batch is split over ranks (to rounding)
-    w_sum = c.token_weights.sum(dtype=torch.float64)
-    total = all_reduce_sum(torch.stack([w_sum, count(c.mask).double()]), group)  # [2]
-    scale = (total[1] / total[0].clamp(min=1e-30)).float()
+    w_sum = total(c.token_weights, dtype=torch.float64)
+    sums = all_reduce_sum(torch.stack([w_sum, count(c.mask).double()]), group)  # [2]
+    scale = (sums[1] / sums[0].clamp(min=1e-30)).float()
     return Correction(mask=c.mask, token_weights=c.token_weights, scale=scale,
                       piece_metrics=c.piece_metrics, source=c.source)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_choice, check_float_tensor, check_mask, check_number, count
+from .._masks import total
 
 __all__ = ["AGGREGATIONS", "Aggregation", "aggregate", "aggregation_coefficients", "row_scales"]
 
@@ -107,7 +108,7 @@ class Aggregation:
 def scaled_sum(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     r"""0-d \(\sum_i r_i \sum_t x_{i,t}\) for ``[B]`` or ``[1]`` row scales ``r``."""
     if scales.numel() == 1:
-        return (x.sum() * scales).reshape(())
+        return (total(x) * scales).reshape(())
     return (x.sum(dim=1) * scales).sum()
 
 

@@ -41,7 +41,7 @@ from .._checks import (
     check_same_shape,
     count,
 )
-from .._masks import count_rows, row_any
+from .._masks import count_rows, row_any, total
 from .._ratio import clamp_log_ratio
 from ..correction import Correction
 from ..mismatch import Mismatch, measure, mismatch_quantiles, reduce_metrics
@@ -236,15 +236,16 @@ def sparse_grpo(
         old = old_logp.detach().float()
         log_ratio = torch.where(kept, logp.detach().float() - old, 0.0)  # [B, T]
         n = count(kept)
-        neg_adv = adv.neg() if corr is None or corr.scale is None else adv * -corr.scale.reshape(())
         w_tok = kept.float() if corr is None or corr.token_weights is None else corr.token_weights
-        neg_wa = torch.where(kept, neg_adv * w_tok, 0.0)  # [B, T]: -w A
-        weights = torch.where(kept, w_tok if corr is None or corr.scale is None
-                              else w_tok * corr.scale.reshape(()), 0.0)  # [B, T]
+        weights = torch.where(kept, w_tok, 0.0)  # [B, T], before the batch scale
+        neg_wa = torch.where(kept, adv.neg() * w_tok, 0.0)  # [B, T]: -w A
+        # the batch scale multiplies the scalar loss (weighted_loss), not every token
+        w_scale = None if corr is None or corr.scale is None else corr.scale.detach().float().reshape(())
+        is_ratio = None if corr is None else (weights if w_scale is None else weights * w_scale)
     scales = agg.row_scales(kept, tokens=n)
     out = sur(SurrogateInputs(logp=logp, old_logp=old, log_ratio=log_ratio, kept=kept, advantages=adv,
                               weights=weights, neg_weighted_adv=neg_wa, scales=scales, n=n,
-                              is_ratio=None if corr is None else weights, full_metrics=metrics == "full"))
+                              is_ratio=is_ratio, full_metrics=metrics == "full", weight_scale=w_scale))
     token_loss, loss = out.token_loss, out.loss
     pg_loss = loss.detach()
     k3 = None
@@ -308,7 +309,7 @@ def _sums(out, *, mm, corr, kept, n, base, bad_adv_seqs, k3, agg, full, stages) 
         sums.update(corr.metric_sums(full=full))
     loss_sums = out.sums()
     if k3 is not None:
-        loss_sums["loss/kl_ref_k3_mean"] = k3.detach().sum()
+        loss_sums["loss/kl_ref_k3_mean"] = total(k3.detach())
     for name in list(loss_sums):
         if not name.endswith("#n") and "#" not in name and name + "#n" not in loss_sums:
             loss_sums[name + "#n"] = n  # a per-kept-token mean

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import count
+from .._masks import extremes, total
 from .._ratio import LOG_RATIO_CLAMP, ratio, ratio_m1
 from .aggregation import scaled_sum
 
-__all__ = ["SurrogateInputs", "SurrogateOutput", "ppo_clip_forward", "ratio_extremes"]
+__all__ = ["SurrogateInputs", "SurrogateOutput", "ppo_clip_forward", "ratio_extremes", "weighted_loss"]
 
 #: the upper bound for A < 0 without a dual clip: a ratio pinned at e^{+20} counts as clipped
 HUGE = math.exp(LOG_RATIO_CLAMP) * (1 - 1e-5)
@@ -45,13 +46,18 @@ class SurrogateInputs:
         log_ratio: float32 detached \(\text{logp} - \text{old\_logp}\), 0 where not kept.  ``[B, T]``
         kept: bool, the tokens in the loss.  ``[B, T]``
         advantages: float32, 0 where non-finite.  ``[B, 1]`` or ``[B, T]``
-        weights: float32 detached IS weights \(w_t\) of the correction (its batch scale
-            included), 1 on kept tokens without a correction, 0 where not kept.  ``[B, T]``
+        weights: float32 detached IS weights \(w_t\) of the correction *before* its batch
+            scale, 1 on kept tokens without a correction, 0 where not kept.  ``[B, T]``
         neg_weighted_adv: float32 \(-w_t A\), 0 where not kept.  ``[B, T]``
         scales: row scales of the aggregation.  ``[B]`` or ``[1]``
+        weight_scale: the correction's 0-d batch scale \(s\) (``Correction.scale``) or
+            ``None``: a surrogate linear in \(w_t\) hands its unscaled token loss to
+            [`weighted_loss`][sparsecorr.losses.ppo.weighted_loss], which applies \(s\) to the
+            scalar loss (one multiply, no pass over ``[B, T]`` that waits for the scale).
         n: number of kept tokens.  ``[]``
         is_ratio: float32 detached importance ratio
-            \(\pi_\text{old}/\pi_\text{rollout}\) as the correction weighted it (``weights``),
+            \(\pi_\text{old}/\pi_\text{rollout}\) as the correction weighted it (``weights``
+            times ``weight_scale``),
             for surrogates that fold it into their own ratio (VESPO) instead of multiplying the
             token loss by it; ``None`` without a correction.  ``[B, T]``
         full_metrics: whether the caller reports the full metric set.
@@ -68,6 +74,7 @@ class SurrogateInputs:
     n: torch.Tensor
     is_ratio: torch.Tensor | None = None
     full_metrics: bool = False
+    weight_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,17 @@ class SurrogateOutput:
     sums: Callable[[], dict[str, torch.Tensor]] = dict
 
 
+def weighted_loss(x: SurrogateInputs, token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(token_loss, loss)`` of a surrogate linear in \(w_t\) from its token loss before the
+    correction's batch scale \(s\): \(s\,\ell_t\) and \(s \sum_i r_i \sum_t \ell_{i,t}\)
+    (\(s\) multiplies the scalar, so the loss's reduction does not wait for it).
+    ``[B, T]`` -> ``[B, T]``, ``[]``"""
+    loss = scaled_sum(token_loss, x.scales)
+    if x.weight_scale is None:
+        return token_loss, loss
+    return token_loss * x.weight_scale, loss * x.weight_scale
+
+
 def token_ratio(x: SurrogateInputs) -> torch.Tensor:
     r"""\(\rho_t\) with its gradient, 1 where not kept.  ``[B, T]``"""
     return ratio(torch.where(x.kept, x.logp.float() - x.old_logp, 0.0))
@@ -103,8 +121,8 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
     hi_m1 = torch.where(pos, clip_high, (HUGE if dual_clip is None else dual_clip) - 1.0)
     clipped_m1 = torch.clamp(rho_m1, lo_m1, hi_m1)  # [B, T]
     # (1 + clipped)(-w A): the on-policy part -w A exactly, the ratio's move beside it
-    token_loss = torch.where(x.kept, x.neg_weighted_adv + x.neg_weighted_adv * clipped_m1, 0.0)
-    loss = scaled_sum(token_loss, x.scales)
+    token_loss, loss = weighted_loss(
+        x, torch.where(x.kept, x.neg_weighted_adv + x.neg_weighted_adv * clipped_m1, 0.0))
     rho = rho_m1 + 1.0  # [B, T], with its gradient (the KL bias correction reads it)
 
     def sums() -> dict[str, torch.Tensor]:
@@ -115,8 +133,8 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
             out["loss/clip_frac_dual"] = count(above & ~pos)
         else:  # a ratio pinned at e^{+20} on an A < 0 token counts as clipped above
             out["loss/clip_frac_high"] = count(above)
-        out["loss/ratio_mean"] = x.n + r.sum()  # rho - 1 is 0 off the kept tokens
-        out["loss/ppo_kl_k1_mean"] = -x.log_ratio.sum()
+        out["loss/ratio_mean"] = x.n + total(r)  # rho - 1 is 0 off the kept tokens
+        out["loss/ppo_kl_k1_mean"] = -total(x.log_ratio)
         if x.full_metrics:
             out.update(ratio_extremes(rho.detach(), x.kept, x.n))
         return out
@@ -127,8 +145,8 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
 def ratio_sums(x: SurrogateInputs, r: torch.Tensor) -> dict[str, torch.Tensor]:
     """``loss/ratio_mean`` and ``loss/ppo_kl_k1_mean`` as kept-token sums (their ``#n`` counts
     are added by ``sparse_grpo``)."""
-    return {"loss/ratio_mean": torch.where(x.kept, r, 0.0).sum(),
-            "loss/ppo_kl_k1_mean": -x.log_ratio.sum()}
+    return {"loss/ratio_mean": total(torch.where(x.kept, r, 0.0)),
+            "loss/ppo_kl_k1_mean": -total(x.log_ratio)}
 
 
 def ratio_extremes(r: torch.Tensor, kept: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -137,6 +155,6 @@ def ratio_extremes(r: torch.Tensor, kept: torch.Tensor, n: torch.Tensor) -> dict
         z = torch.zeros((), device=r.device)
         lo = hi = z
     else:
-        lo = torch.where(kept, r, float("inf")).amin()
-        hi = torch.where(kept, r, float("-inf")).amax()
+        lo = extremes(torch.where(kept, r, float("inf")))[0]
+        hi = extremes(torch.where(kept, r, float("-inf")))[1]
     return {"loss/ratio_min#min": lo, "loss/ratio_min#n": n, "loss/ratio_max#max": hi, "loss/ratio_max#n": n}

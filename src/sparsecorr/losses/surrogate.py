@@ -28,7 +28,14 @@ import torch
 from .._checks import check_number, count
 from .._ratio import clamp_log_ratio, ratio
 from .aggregation import scaled_sum
-from .ppo import SurrogateInputs, SurrogateOutput, ppo_clip_forward, ratio_sums, token_ratio
+from .ppo import (
+    SurrogateInputs,
+    SurrogateOutput,
+    ppo_clip_forward,
+    ratio_sums,
+    token_ratio,
+    weighted_loss,
+)
 
 __all__ = ["CISPO", "GSPO", "SAPO", "SURROGATES", "VESPO", "PPOClip", "SurrogateInputs", "SurrogateOutput"]
 
@@ -90,8 +97,7 @@ class GSPO(_Clip):
         big = math.exp(20.0) if self.dual_clip is None else self.dual_clip
         hi = torch.where(pos, 1.0 + self.clip_high, big)
         clipped = torch.clamp(rho, lo, hi)  # [B, 1] or [B, T]
-        token_loss = torch.where(kept, x.neg_weighted_adv * clipped, 0.0)  # [B, T]
-        loss = scaled_sum(token_loss, x.scales)
+        token_loss, loss = weighted_loss(x, torch.where(kept, x.neg_weighted_adv * clipped, 0.0))  # [B, T]
         r = rho.detach()
 
         def sums() -> dict[str, torch.Tensor]:
@@ -114,8 +120,7 @@ class CISPO:
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
         r = ratio(x.log_ratio)  # [B, T], detached
         coef = torch.clamp(r, max=self.cap) * x.neg_weighted_adv  # [B, T], detached
-        token_loss = torch.where(x.kept, coef * x.logp.float(), 0.0)
-        loss = scaled_sum(token_loss, x.scales)
+        token_loss, loss = weighted_loss(x, torch.where(x.kept, coef * x.logp.float(), 0.0))
 
         def sums() -> dict[str, torch.Tensor]:
             return {**ratio_sums(x, r), "loss/clip_frac": count(x.kept & (r > self.cap))}
@@ -140,8 +145,7 @@ class SAPO:
         rho = token_ratio(x)  # [B, T]
         tau = torch.where(x.advantages > 0, self.temperature_pos, self.temperature_neg)
         gate = torch.sigmoid(tau * (rho - 1.0)) * (4.0 / tau)
-        token_loss = torch.where(x.kept, x.neg_weighted_adv * gate, 0.0)
-        loss = scaled_sum(token_loss, x.scales)
+        token_loss, loss = weighted_loss(x, torch.where(x.kept, x.neg_weighted_adv * gate, 0.0))
         r = rho.detach()
         return SurrogateOutput(token_loss, loss, ratio=r, kl_ratio=rho, sums=lambda: ratio_sums(x, r))
 

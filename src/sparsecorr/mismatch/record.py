@@ -38,7 +38,7 @@ from .._checks import (
     count,
     count_int,
 )
-from .._masks import row_any
+from .._masks import extremes, row_any, total
 from .._ratio import LOG_RATIO_CLAMP, clamp_log_ratio
 
 __all__ = ["LOG_RATIO_CLAMP", "Mismatch", "measure"]
@@ -98,7 +98,7 @@ class Mismatch:
     @property
     def log_ratio_sum(self) -> torch.Tensor:
         r"""0-d float32 \(\sum_t \ell_t\) over the valid tokens."""
-        return self.log_ratio.sum()
+        return total(self.log_ratio)
 
     @property
     def log_ratio_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,4 +225,4 @@ def _extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel() == 0:
         z = torch.zeros((), device=x.device)
         return z, z
-    return torch.aminmax(x)
+    return extremes(x)

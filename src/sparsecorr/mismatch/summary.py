@@ -29,6 +29,7 @@ import torch
 
 from .._checks import check_choice, count, finite
 from .._dist import all_gather_varlen
+from .._masks import total
 from .plan import MetricPlan
 from .quantiles import masked_quantile
 from .record import Mismatch, _extremes, measure
@@ -134,7 +135,7 @@ def mismatch_sums(mm: Mismatch, *, full: bool = False) -> dict[str, torch.Tensor
     lr = mm.log_ratio  # [B, T], 0 off valid
     e = mm.ratio_m1  # [B, T], 0 off valid
     n = mm.tokens
-    s_lr, s_e = lr.sum(), e.sum()
+    s_lr, s_e = total(lr), total(e)
     lo, hi = mm.log_ratio_extremes  # 0 off the valid tokens: max(-min, max) is exact
     out = {
         "mismatch/tokens": n,
@@ -150,15 +151,15 @@ def mismatch_sums(mm: Mismatch, *, full: bool = False) -> dict[str, torch.Tensor
         mean = s_lr / n.clamp(min=1)  # lies inside [min, max] of the valid values
         r_lo, r_hi = _extremes(torch.where(mm.valid, lr, mean))
         out.update({
-            "mismatch/log_ratio_abs_mean": lr.abs().sum(), "mismatch/log_ratio_abs_mean#n": n,
-            "mismatch/kl_k2_mean": 0.5 * lr.square().sum(), "mismatch/kl_k2_mean#n": n,
-            "mismatch/chi2_mean": e.square().sum(), "mismatch/chi2_mean#n": n,
+            "mismatch/log_ratio_abs_mean": total(lr.abs()), "mismatch/log_ratio_abs_mean#n": n,
+            "mismatch/kl_k2_mean": 0.5 * total(lr.square()), "mismatch/kl_k2_mean#n": n,
+            "mismatch/chi2_mean": total(e.square()), "mismatch/chi2_mean#n": n,
             "mismatch/ratio_min#min": torch.exp(r_lo), "mismatch/ratio_min#n": n,
             "mismatch/ratio_max#max": torch.exp(r_hi), "mismatch/ratio_max#n": n,
         })
     if mm.acceptance is not None:
         acc, ok = _acceptance_valid(mm)
-        out["mismatch/acceptance_mean"] = torch.where(ok, acc, 0.0).sum()
+        out["mismatch/acceptance_mean"] = total(torch.where(ok, acc, 0.0))
         out["mismatch/acceptance_mean#n"] = count(ok)
     return out
 
