@@ -108,10 +108,11 @@ def as_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def count_int(mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """int64 number of True (nonzero) entries (``count_nonzero``; of a ``[B, T]`` mask as row
-    counts, then their sum: see ``_masks.total``)."""
-    if dim is None and mask.dim() == 2:
-        return torch.count_nonzero(mask, dim=-1).sum()
+    """int64 number of True (nonzero) entries (``count_nonzero``; of a ``[B, T]`` mask as int32
+    row counts, exact below 2**31 tokens a row, then their int64 sum: see ``_masks.total``;
+    an int32 lane is as wide as a float32 one, so the compiled loop counts without widening)."""
+    if dim is None and mask.dim() == 2 and mask.dtype == torch.bool:
+        return mask.sum(dim=-1, dtype=torch.int32).sum(dtype=torch.int64)
     return torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim=dim)
 
 
