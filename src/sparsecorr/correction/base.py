@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import count
-from .._masks import extremes, row_any, total
+from .._masks import and_rows, extremes, row_any, total
 from ..mismatch import Mismatch, reduce_metrics
 
-__all__ = ["Correction", "CorrectionFn", "chain", "masked_extremes"]
+__all__ = ["Correction", "CorrectionFn", "RowFactor", "chain", "kept_sum", "masked_extremes"]
 
 #: a piece metric: a 0-d tensor, or a function computing it when the metrics are read
 MetricValue = torch.Tensor | Callable[[], torch.Tensor]
@@ -36,6 +36,24 @@ def _check_record(mm: object) -> None:
     if not isinstance(mm, Mismatch):
         raise ValueError(f"mismatch: a correction takes measure(old_logp, rollout_logp, mask)'s "
                          f"Mismatch record, got {type(mm).__name__}")
+
+
+@dataclass(frozen=True, eq=False)
+class RowFactor:
+    r"""A correction's mask and weights as a token part times a sequence part (a veto):
+    ``mask = token_mask & rows[:, None]``, ``token_weights = where(mask, token_weights, 0)``.
+
+    A sum over the kept tokens is then \(\sum_i \text{rows}_i \sum_t x_{i,t}\) over the token
+    part: its row sums need not wait for the row test, so under ``torch.compile`` they are
+    made in the same loop over a row as the test itself (``kept_sum``).
+
+    Shapes:
+        token_mask, token_weights: ``[B, T]``; rows: ``[B]`` bool.
+    """
+
+    token_mask: torch.Tensor
+    token_weights: torch.Tensor | None
+    rows: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +72,8 @@ class Correction:
             and its ``#n`` count ...), each a tensor or a function computing it when read.
         source: the ``Mismatch`` it was computed from (for ``nonfinite_count`` and the
             fractions of the input); ``None`` when built by hand.
+        factor: optional ``RowFactor`` of ``mask`` and ``token_weights`` (set by ``veto`` and
+            kept by ``chain``), read by the sums over the kept tokens; ``None``: no factor.
 
     Shapes:
         mask, token_weights, weights: ``[B, T]``; scale: ``[]``; sequence_mask: ``[B]``.
@@ -64,6 +84,7 @@ class Correction:
     scale: torch.Tensor | None = None
     piece_metrics: Mapping[str, MetricValue] = field(default_factory=dict)
     source: Mismatch | None = None
+    factor: RowFactor | None = None
 
     def __post_init__(self) -> None:
         m = self.mask
@@ -130,6 +151,23 @@ class Correction:
                           piece_metrics=self.piece_metrics, source=self.source)
 
 
+def kept_sum(c: Correction, power: int | None = None, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """0-d sum over ``c``'s kept tokens of ``w ** power`` (``w`` the token weights before the
+    scale, 1 without; ``power=None``: the number of kept tokens, float32). With a ``RowFactor``
+    the row sums are of the token part, times the kept rows."""
+    f = c.factor
+    mask, w = (c.mask, c.token_weights) if f is None else (f.token_mask, f.token_weights)
+    if power is None:
+        if f is None:
+            return count(mask)
+        return (mask.sum(dim=-1, dtype=torch.int32) * f.rows).sum(dtype=torch.int64).float()
+    x = mask.float() if w is None else w.detach().float()  # [B, T], 0 off the token part
+    x = x if power == 1 else x.pow(power)
+    if f is None:
+        return total(x, dtype=dtype)
+    return (x.sum(dim=-1, dtype=dtype) * f.rows).sum()
+
+
 #: the one correction protocol
 CorrectionFn = Callable[[Mismatch], Correction]
 
@@ -146,11 +184,10 @@ def masked_extremes(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
 def standard_sums(c: Correction, *, full: bool = False) -> dict[str, torch.Tensor]:
     """The sums and counts of the metrics every correction reports."""
     src = c.source
-    kept = c.tokens
+    kept = kept_sum(c)
     # the sums of the token weights, times the batch scale: a scalar on two sums, no [B, T] pass
-    # that waits for the scale
-    w = c.mask.float() if c.token_weights is None else c.token_weights.detach().float()  # [B, T]
-    s1, s2 = total(w), total(w.square())
+    # that waits for the scale (nor for a veto's row test: kept_sum)
+    s1, s2 = kept_sum(c, 1), kept_sum(c, 2)
     if c.scale is not None:
         scale = c.scale.detach().reshape(())
         s1, s2 = s1 * scale, s2 * scale.square()
@@ -187,21 +224,30 @@ class Chain:
 
     def __call__(self, mm: Mismatch) -> Correction:
         _check_record(mm)
-        mask, weights, scale, metrics = None, None, None, {}
+        tokens, rows, weights, scale, metrics = None, None, None, None, {}
         for piece in self.pieces:
             c = piece(mm)
             if not isinstance(c, Correction):
                 raise ValueError(f"corrections: expected {piece!r} to return a Correction, got "
                                  f"{type(c).__name__}")
-            mask = c.mask if mask is None else mask & c.mask  # [B, T]
-            if c.token_weights is not None:
-                weights = c.token_weights if weights is None else weights * c.token_weights
+            f = c.factor  # the token parts AND, the row parts AND: mask = tokens & rows
+            part, w = (c.mask, c.token_weights) if f is None else (f.token_mask, f.token_weights)
+            tokens = part if tokens is None else tokens & part  # [B, T]
+            if f is not None:
+                rows = f.rows if rows is None else rows & f.rows  # [B]
+            if w is not None:
+                weights = w if weights is None else weights * w
             if c.scale is not None:
                 scale = c.scale if scale is None else scale * c.scale
             metrics.update(c.piece_metrics)
+        mask = tokens if rows is None else and_rows(tokens, rows)  # [B, T]
+        factor = None
+        if rows is not None:
+            factor = RowFactor(tokens, None if weights is None else torch.where(tokens, weights, 0.0), rows)
         if weights is not None:  # a pure rejection has no weights: zero them off the final mask
             weights = torch.where(mask, weights, 0.0)
-        return Correction(mask=mask, token_weights=weights, scale=scale, piece_metrics=metrics, source=mm)
+        return Correction(mask=mask, token_weights=weights, scale=scale, piece_metrics=metrics,
+                          source=mm, factor=factor)
 
 
 def chain(*corrections: CorrectionFn) -> Chain:

@@ -17,10 +17,10 @@ import torch
 
 from .._checks import count, finite
 from .._dist import all_reduce_sum
-from .._masks import and_rows, row_any, total
+from .._masks import and_rows, row_any
 from .._ratio import clamp_log_ratio, ratio
 from ..mismatch import Mismatch
-from .base import Correction, CorrectionFn, _check_record
+from .base import Correction, CorrectionFn, RowFactor, _check_record, kept_sum
 from .masks import divergence_stat, opsm_mask, tail_mask
 
 __all__ = ["OPSM", "TIS", "BandMask", "BatchNormalized", "Divergence", "SequenceIS", "TailReject", "Veto"]
@@ -130,7 +130,8 @@ class Veto:
         below = mm.valid & (mm.log_ratio < math.log(self.threshold))  # [B, T]
         vetoed = row_any(below)  # [B]
         return Correction(mask=and_rows(mm.valid, ~vetoed),
-                          piece_metrics={"correction/vetoed_seqs": count(vetoed)}, source=mm)
+                          piece_metrics={"correction/vetoed_seqs": count(vetoed)}, source=mm,
+                          factor=RowFactor(mm.valid, None, ~vetoed))
 
 
 @dataclass(frozen=True)
@@ -204,11 +205,11 @@ def normalize(c: Correction, group: object | None = None) -> Correction:
     if c.token_weights is None:  # every kept weight is 1 already
         return c
     # float64 sums: the scale does not depend on how the batch is split over ranks (to rounding)
-    w_sum = total(c.token_weights, dtype=torch.float64)
-    sums = all_reduce_sum(torch.stack([w_sum, count(c.mask).double()]), group)  # [2]
+    w_sum = kept_sum(c, 1, dtype=torch.float64)
+    sums = all_reduce_sum(torch.stack([w_sum, kept_sum(c).double()]), group)  # [2]
     scale = (sums[1] / sums[0].clamp(min=1e-30)).float()
     return Correction(mask=c.mask, token_weights=c.token_weights, scale=scale,
-                      piece_metrics=c.piece_metrics, source=c.source)
+                      piece_metrics=c.piece_metrics, source=c.source, factor=c.factor)
 
 
 @dataclass(frozen=True)
