@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ._masks import total
+
 __all__ = [
     "as_float32",
     "check_advantages",
@@ -112,7 +114,7 @@ def count_int(mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     row counts, exact below 2**31 tokens a row, then their int64 sum: see ``_masks.total``;
     an int32 lane is as wide as a float32 one, so the compiled loop counts without widening)."""
     if dim is None and mask.dim() == 2 and mask.dtype == torch.bool:
-        return mask.sum(dim=-1, dtype=torch.int32).sum(dtype=torch.int64)
+        return total(mask, dtype=torch.int32)  # int32 row sums; torch sums those into int64
     return torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim=dim)
 
 

@@ -25,6 +25,7 @@ of decoding with the wrong attention. A per-model attention ``scaling`` is suppo
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -108,20 +109,21 @@ class CacheBase(Cache):
         return self.num_layers
 
 
-def _cache_keyword(model) -> str:
-    """``cache`` where the model's forward takes it (5.24 on), else ``past_key_values``; a peft
-    wrapper passes the keyword through to the model it wraps, so that model's forward decides."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = inspect.signature(type(base).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """``cache`` where the class's forward takes it (5.24 on), else ``past_key_values`` (read
+    once per model class: ``forward`` runs every decode step)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def forward(model, *, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache,
             logits_to_keep: int | torch.Tensor = 0, output_hidden_states: bool = False):
-    """One model forward over ``input_ids`` ``[B, Q]`` at ``position_ids`` ``[B, Q]`` into ``cache``."""
+    """One model forward over ``input_ids`` ``[B, Q]`` at ``position_ids`` ``[B, Q]`` into ``cache``
+    (a peft wrapper passes the keyword through, so the model it wraps picks it)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
                  logits_to_keep=logits_to_keep, output_hidden_states=output_hidden_states,
-                 **{_cache_keyword(model): cache})
+                 **{_cache_keyword(type(base)): cache})
 
 
 def register_attention(name: str, attend: Callable[..., torch.Tensor]) -> None:
