@@ -39,5 +39,6 @@ def and_rows(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def count_rows(mask: torch.Tensor) -> torch.Tensor:
-    """0-d float32: rows of a ``[B, T]`` mask with a True entry."""
-    return mask.any(dim=-1).sum(dtype=torch.float32)
+    """0-d float32: rows of a ``[B, T]`` mask with a True entry (from the int32 row counts that
+    ``total`` makes of the same mask, so a compiled graph computes them once)."""
+    return (mask.sum(dim=-1, dtype=torch.int32) > 0).sum(dtype=torch.float32)

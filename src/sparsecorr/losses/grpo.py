@@ -47,6 +47,7 @@ from ..correction import Correction
 from ..mismatch import Mismatch, measure, mismatch_quantiles, reduce_metrics
 from ..mismatch.summary import DEFAULT_QUANTILES, mismatch_sums
 from .aggregation import Aggregation, scaled_sum
+from .linearize import linearized
 from .output import LossOutput
 from .ppo import SurrogateInputs
 from .surrogate import SURROGATES
@@ -250,12 +251,23 @@ def sparse_grpo(
     pg_loss = loss.detach()
     k3 = None
     if use_ref:
-        d = clamp_log_ratio(torch.where(kept, ref_logp.float() - logp.float(), 0.0))  # [B, T]
-        k3 = torch.expm1(d) - d
+        ref = ref_logp.detach().float()
+
+        def k3_of(z: torch.Tensor) -> torch.Tensor:  # k3 of the learner's log-probs z
+            d = clamp_log_ratio(torch.where(kept, ref - z, 0.0))  # [B, T]
+            return torch.expm1(d) - d
+
+        def penalty(z: torch.Tensor):
+            k3_ = k3_of(z)
+            return (k3_ * out.kl_ratio(z) if pen.bias_correction else k3_), k3_  # TRL: k3 times the ratio
+
         if pen.coef > 0:
-            term = k3 * out.kl_ratio if pen.bias_correction else k3  # TRL: k3 times the ratio
+            term, k3 = linearized(penalty, logp)  # [B, T] with its gradient, k3 detached
             token_loss = token_loss + pen.coef * term
             loss = loss + pen.coef * scaled_sum(term, scales)
+        else:  # the metric only
+            with torch.no_grad():
+                k3 = k3_of(logp.detach().float())
     if metrics == "none":
         return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=kept, ratio=out.ratio)
     with torch.no_grad():
@@ -309,7 +321,7 @@ def _sums(out, *, mm, corr, kept, n, base, bad_adv_seqs, k3, agg, full, stages) 
         sums.update(corr.metric_sums(full=full))
     loss_sums = out.sums()
     if k3 is not None:
-        loss_sums["loss/kl_ref_k3_mean"] = total(k3.detach())
+        loss_sums["loss/kl_ref_k3_mean"] = total(k3)
     for name in list(loss_sums):
         if not name.endswith("#n") and "#" not in name and name + "#n" not in loss_sums:
             loss_sums[name + "#n"] = n  # a per-kept-token mean

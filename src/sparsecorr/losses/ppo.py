@@ -29,8 +29,10 @@ from .._checks import count
 from .._masks import extremes, total
 from .._ratio import LOG_RATIO_CLAMP, ratio, ratio_m1
 from .aggregation import scaled_sum
+from .linearize import linearized
 
-__all__ = ["SurrogateInputs", "SurrogateOutput", "ppo_clip_forward", "ratio_extremes", "weighted_loss"]
+__all__ = ["SurrogateInputs", "SurrogateOutput", "learner_log_ratio", "ppo_clip_forward", "ratio_extremes",
+           "weighted_loss"]
 
 #: the upper bound for A < 0 without a dual clip: a ratio pinned at e^{+20} counts as clipped
 HUGE = math.exp(LOG_RATIO_CLAMP) * (1 - 1e-5)
@@ -79,19 +81,21 @@ class SurrogateInputs:
 
 @dataclass(frozen=True)
 class SurrogateOutput:
-    """``token_loss`` ``[B, T]`` and ``loss`` ``[]`` (both carry the gradient), the detached
+    """``token_loss`` ``[B, T]`` and ``loss`` ``[]`` (both carry the gradient, taken in the
+    forward pass by [`linearized`][sparsecorr.losses.linearize.linearized]), the detached
     ratio the surrogate used (``ratio``: ``[B, T]`` per token, ``[B, 1]`` per sequence; what
     the glue logs instead of recomputing it) and ``sums()``: the 0-d sums and counts of its
     metrics (``reduce_metrics`` conventions; computed only when read).
 
-    ``kl_ratio``: the importance ratio, with its gradient, that ``KLPenalty(bias_correction=True)``
+    ``kl_ratio``: the importance ratio as a function of the float32 learner log-probs
+    (``z -> [B, T]`` or ``[B, 1]``, differentiable) that ``KLPenalty(bias_correction=True)``
     multiplies the k3 term by.
     """
 
     token_loss: torch.Tensor
     loss: torch.Tensor
     ratio: torch.Tensor
-    kl_ratio: torch.Tensor
+    kl_ratio: Callable[[torch.Tensor], torch.Tensor]
     sums: Callable[[], dict[str, torch.Tensor]] = dict
 
 
@@ -106,27 +110,34 @@ def weighted_loss(x: SurrogateInputs, token_loss: torch.Tensor) -> tuple[torch.T
     return token_loss * x.weight_scale, loss * x.weight_scale
 
 
-def token_ratio(x: SurrogateInputs) -> torch.Tensor:
-    r"""\(\rho_t\) with its gradient, 1 where not kept.  ``[B, T]``"""
-    return ratio(torch.where(x.kept, x.logp.float() - x.old_logp, 0.0))
+def learner_log_ratio(x: SurrogateInputs, z: torch.Tensor) -> torch.Tensor:
+    r"""\(\text{logp} - \text{old\_logp}\) of the float32 log-probs ``z``, 0 where not kept.  ``[B, T]``"""
+    return torch.where(x.kept, z - x.old_logp, 0.0)
+
+
+def token_ratio(x: SurrogateInputs) -> Callable[[torch.Tensor], torch.Tensor]:
+    r"""\(z \mapsto \rho_t\), 1 where not kept (a surrogate's ``kl_ratio``).  ``[B, T]``"""
+    return lambda z: ratio(learner_log_ratio(x, z))
 
 
 def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
                      dual_clip: float | None) -> SurrogateOutput:
     """Token-level weighted clipped surrogate, its aggregate and its metric sums (``PPOClip``)."""
     adv = x.advantages  # [B, 1] or [B, T]
-    rho_m1 = ratio_m1(torch.where(x.kept, x.logp.float() - x.old_logp, 0.0))  # [B, T], 0 off kept
     pos = adv >= 0
     lo_m1 = torch.where(pos, -1.0, -clip_low)  # [B, 1] or [B, T]: the bounds on rho - 1
     hi_m1 = torch.where(pos, clip_high, (HUGE if dual_clip is None else dual_clip) - 1.0)
-    clipped_m1 = torch.clamp(rho_m1, lo_m1, hi_m1)  # [B, T]
-    # (1 + clipped)(-w A): the on-policy part -w A exactly, the ratio's move beside it
-    token_loss, loss = weighted_loss(
-        x, torch.where(x.kept, x.neg_weighted_adv + x.neg_weighted_adv * clipped_m1, 0.0))
-    rho = rho_m1 + 1.0  # [B, T], with its gradient (the KL bias correction reads it)
+
+    def token_loss(z: torch.Tensor):
+        rho_m1 = ratio_m1(learner_log_ratio(x, z))  # [B, T], 0 off kept
+        clipped_m1 = torch.clamp(rho_m1, lo_m1, hi_m1)  # [B, T]
+        # (1 + clipped)(-w A): the on-policy part -w A exactly, the ratio's move beside it
+        return torch.where(x.kept, x.neg_weighted_adv + x.neg_weighted_adv * clipped_m1, 0.0), rho_m1
+
+    tl, r = linearized(token_loss, x.logp)  # [B, T]; r = rho - 1, detached
+    token_loss_, loss = weighted_loss(x, tl)
 
     def sums() -> dict[str, torch.Tensor]:
-        r = rho_m1.detach()
         above, below = x.kept & (r > hi_m1), x.kept & (r < lo_m1)
         out = {"loss/clip_frac_low": count(below), "loss/clip_frac_high": count(above & pos)}
         if dual_clip is not None:
@@ -136,10 +147,10 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
         out["loss/ratio_mean"] = x.n + total(r)  # rho - 1 is 0 off the kept tokens
         out["loss/ppo_kl_k1_mean"] = -total(x.log_ratio)
         if x.full_metrics:
-            out.update(ratio_extremes(rho.detach(), x.kept, x.n))
+            out.update(ratio_extremes(r + 1.0, x.kept, x.n))
         return out
 
-    return SurrogateOutput(token_loss, loss, ratio=rho.detach(), kl_ratio=rho, sums=sums)
+    return SurrogateOutput(token_loss_, loss, ratio=r + 1.0, kl_ratio=token_ratio(x), sums=sums)
 
 
 def ratio_sums(x: SurrogateInputs, r: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -28,9 +28,11 @@ import torch
 from .._checks import check_number, count
 from .._ratio import clamp_log_ratio, ratio
 from .aggregation import scaled_sum
+from .linearize import linearized
 from .ppo import (
     SurrogateInputs,
     SurrogateOutput,
+    learner_log_ratio,
     ppo_clip_forward,
     ratio_sums,
     token_ratio,
@@ -89,22 +91,28 @@ class GSPO(_Clip):
 
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
         kept, adv = x.kept, x.advantages
-        raw = torch.where(kept, x.logp.float() - x.old_logp, 0.0)  # [B, T]
         n_i = count(kept, dim=1, keepdim=True).clamp(min=1)  # [B, 1]
-        rho = ratio(raw.sum(dim=1, keepdim=True) / n_i)  # [B, 1]
         pos = adv >= 0
         lo = torch.where(pos, 0.0, 1.0 - self.clip_low)
         big = math.exp(20.0) if self.dual_clip is None else self.dual_clip
         hi = torch.where(pos, 1.0 + self.clip_high, big)
-        clipped = torch.clamp(rho, lo, hi)  # [B, 1] or [B, T]
-        token_loss, loss = weighted_loss(x, torch.where(kept, x.neg_weighted_adv * clipped, 0.0))  # [B, T]
-        r = rho.detach()
+
+        def seq_ratio(z: torch.Tensor) -> torch.Tensor:  # [B, 1]
+            return ratio(learner_log_ratio(x, z).sum(dim=1, keepdim=True) / n_i)
+
+        def token_loss(z: torch.Tensor):
+            rho = seq_ratio(z)  # [B, 1]
+            clipped = torch.clamp(rho, lo, hi)  # [B, 1] or [B, T]
+            return torch.where(kept, x.neg_weighted_adv * clipped, 0.0), (rho, clipped)  # [B, T]
+
+        tl, (r, clipped) = linearized(token_loss, x.logp)
+        token_loss_, loss = weighted_loss(x, tl)
 
         def sums() -> dict[str, torch.Tensor]:
-            moved = (clipped.detach() != r).expand_as(kept)
+            moved = (clipped != r).expand_as(kept)
             return {**ratio_sums(x, r.expand_as(kept)), "loss/clip_frac": count(kept & moved)}
 
-        return SurrogateOutput(token_loss, loss, ratio=r, kl_ratio=rho, sums=sums)
+        return SurrogateOutput(token_loss_, loss, ratio=r, kl_ratio=seq_ratio, sums=sums)
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,8 @@ class CISPO:
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
         r = ratio(x.log_ratio)  # [B, T], detached
         coef = torch.clamp(r, max=self.cap) * x.neg_weighted_adv  # [B, T], detached
-        token_loss, loss = weighted_loss(x, torch.where(x.kept, coef * x.logp.float(), 0.0))
+        tl, _ = linearized(lambda z: (torch.where(x.kept, coef * z, 0.0), ()), x.logp)
+        token_loss, loss = weighted_loss(x, tl)
 
         def sums() -> dict[str, torch.Tensor]:
             return {**ratio_sums(x, r), "loss/clip_frac": count(x.kept & (r > self.cap))}
@@ -142,12 +151,17 @@ class SAPO:
             check_number(name, getattr(self, name), low=0, low_open=True)
 
     def __call__(self, x: SurrogateInputs) -> SurrogateOutput:
-        rho = token_ratio(x)  # [B, T]
         tau = torch.where(x.advantages > 0, self.temperature_pos, self.temperature_neg)
-        gate = torch.sigmoid(tau * (rho - 1.0)) * (4.0 / tau)
-        token_loss, loss = weighted_loss(x, torch.where(x.kept, x.neg_weighted_adv * gate, 0.0))
-        r = rho.detach()
-        return SurrogateOutput(token_loss, loss, ratio=r, kl_ratio=rho, sums=lambda: ratio_sums(x, r))
+        rho_of = token_ratio(x)
+
+        def token_loss(z: torch.Tensor):
+            rho = rho_of(z)  # [B, T]
+            gate = torch.sigmoid(tau * (rho - 1.0)) * (4.0 / tau)
+            return torch.where(x.kept, x.neg_weighted_adv * gate, 0.0), rho
+
+        tl, r = linearized(token_loss, x.logp)
+        token_loss_, loss = weighted_loss(x, tl)
+        return SurrogateOutput(token_loss_, loss, ratio=r, kl_ratio=rho_of, sums=lambda: ratio_sums(x, r))
 
 
 _LOG_1E8 = math.log(1e-8)
@@ -191,7 +205,8 @@ class VESPO:
         lam = torch.where(pos, self.lambda_pos, self.lambda_neg).clamp(min=1e-4)
         phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))  # [B, 1] or [B, T]
         phi = torch.where(torch.isfinite(phi), phi, 0.0)
-        token_loss = torch.where(kept, -(phi * adv) * x.logp.float(), 0.0)  # [B, T]
+        coef = -(phi * adv)  # [B, 1] or [B, T], detached
+        token_loss, _ = linearized(lambda z: (torch.where(kept, coef * z, 0.0), ()), x.logp)  # [B, T]
         loss = scaled_sum(token_loss, x.scales)
         r = ratio(x.log_ratio)
 

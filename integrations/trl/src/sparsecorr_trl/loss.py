@@ -49,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsecorr._ratio import clamp_log_ratio
 from sparsecorr.losses import CISPO, GSPO, SAPO, VESPO, Aggregation, KLPenalty, PPOClip, sparse_grpo
-from sparsecorr.mismatch import LOG_RATIO_CLAMP
 
 #: TRL ``loss_type`` -> (sparsecorr aggregation, divided by the accumulation steps)
 AGGREGATION_BY_LOSS_TYPE = {
@@ -188,7 +188,7 @@ class LossParts:
 
 
 def _k3(logp, ref_logp, mask):
-    d = torch.where(mask, ref_logp - logp, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    d = clamp_log_ratio(torch.where(mask, ref_logp - logp, 0.0))  # [B, T], the library's one clamp
     return torch.expm1(d) - d
 
 
