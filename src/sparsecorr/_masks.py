@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["and_rows", "count_rows", "extremes", "row_any", "total"]
+__all__ = ["and_rows", "count_rows", "extremes", "row_any", "rows_count", "rows_total", "total"]
 
 
 def total(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -38,7 +38,22 @@ def and_rows(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return mask & rows.reshape(-1, 1)
 
 
-def count_rows(mask: torch.Tensor) -> torch.Tensor:
-    """0-d float32: rows of a ``[B, T]`` mask with a True entry (from the int32 row counts that
-    ``total`` makes of the same mask, so a compiled graph computes them once)."""
-    return (mask.sum(dim=-1, dtype=torch.int32) > 0).sum(dtype=torch.float32)
+def count_rows(mask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """0-d float32: rows of a ``[B, T]`` mask with a True entry (among the ``[B]`` bool
+    ``rows``, when given), from the int32 row counts that ``total`` makes of the same mask, so
+    a compiled graph computes them once."""
+    nonempty = mask.sum(dim=-1, dtype=torch.int32) > 0  # [B]
+    return (nonempty if rows is None else nonempty & rows).sum(dtype=torch.float32)
+
+
+def rows_count(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    r"""0-d float32 \(\sum_i \text{rows}_i \sum_t \text{mask}_{i,t}\): the True entries of a
+    ``[B, T]`` mask on the rows ``rows`` (``[B]`` bool) keeps, from its int32 row counts (the
+    row test waits for no token pass: ``RowFactor``)."""
+    return (mask.sum(dim=-1, dtype=torch.int32) * rows).sum(dtype=torch.int64).float()
+
+
+def rows_total(x: torch.Tensor, rows: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    r"""0-d \(\sum_i \text{rows}_i \sum_t x_{i,t}\) of a ``[B, T]`` tensor on the rows ``rows``
+    (``[B]`` bool) keeps."""
+    return (x.sum(dim=-1, dtype=dtype) * rows).sum()

@@ -41,7 +41,7 @@ from .._checks import (
     check_same_shape,
     count,
 )
-from .._masks import count_rows, row_any, total
+from .._masks import and_rows, count_rows, row_any, rows_count, total
 from .._ratio import clamp_log_ratio
 from ..correction import Correction
 from ..mismatch import Mismatch, measure, mismatch_quantiles, reduce_metrics
@@ -231,31 +231,37 @@ def sparse_grpo(
     corr = _correction(correction, mm, advantages, logp)
     use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
     with torch.no_grad():
-        base = _base(mask, mm, corr)  # [B, T]
+        base, corr_rows = _base(mask, mm, corr)  # [B, T] token part, [B] bool row part (a veto) or None
         kept, adv, bad_adv_seqs = _learner_side(logp, old_logp, ref_logp if use_ref else None,
-                                                advantages, base)
+                                                advantages, base, corr_rows)
+        rows = corr_rows
+        if rows is not None:  # a dropped row: A = 0 (no loss, no gradient) and out of every sum
+            adv = adv * rows.reshape(-1, 1)  # [B, 1] or [B, T]
         old = old_logp.detach().float()
         log_ratio = torch.where(kept, logp.detach().float() - old, 0.0)  # [B, T]
-        n = count(kept)
-        w_tok = kept.float() if corr is None or corr.token_weights is None else corr.token_weights
+        n = count(kept) if rows is None else rows_count(kept, rows)
+        w_tok = _token_weights(corr, kept)  # [B, T]
         weights = torch.where(kept, w_tok, 0.0)  # [B, T], before the batch scale
         neg_wa = torch.where(kept, adv.neg() * w_tok, 0.0)  # [B, T]: -w A
         # the batch scale multiplies the scalar loss (weighted_loss), not every token
         w_scale = None if corr is None or corr.scale is None else corr.scale.detach().float().reshape(())
         is_ratio = None if corr is None else (weights if w_scale is None else weights * w_scale)
-    scales = agg.row_scales(kept, tokens=n)
+        loss_mask = kept if rows is None else and_rows(kept, rows)  # [B, T]
+    scales = agg.row_scales(loss_mask, tokens=n)
     out = sur(SurrogateInputs(logp=logp, old_logp=old, log_ratio=log_ratio, kept=kept, advantages=adv,
                               weights=weights, neg_weighted_adv=neg_wa, scales=scales, n=n,
-                              is_ratio=is_ratio, full_metrics=metrics == "full", weight_scale=w_scale))
+                              is_ratio=is_ratio, full_metrics=metrics == "full", weight_scale=w_scale,
+                              rows=rows))
     token_loss, loss = out.token_loss, out.loss
     pg_loss = loss.detach()
     k3 = None
     if use_ref:
         ref = ref_logp.detach().float()
 
-        def k3_of(z: torch.Tensor) -> torch.Tensor:  # k3 of the learner's log-probs z
+        def k3_of(z: torch.Tensor) -> torch.Tensor:  # k3 of the learner's log-probs z, 0 off the loss
             d = clamp_log_ratio(torch.where(kept, ref - z, 0.0))  # [B, T]
-            return torch.expm1(d) - d
+            k3_ = torch.expm1(d) - d
+            return k3_ if rows is None else k3_ * rows.reshape(-1, 1)
 
         def penalty(z: torch.Tensor):
             k3_ = k3_of(z)
@@ -268,34 +274,50 @@ def sparse_grpo(
         else:  # the metric only
             with torch.no_grad():
                 k3 = k3_of(logp.detach().float())
+    # the ratio is 1 off the loss's tokens (a dropped row's tokens included)
+    ratio = out.ratio if rows is None else torch.where(rows.reshape(-1, 1), out.ratio, 1.0)
     if metrics == "none":
-        return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=kept, ratio=out.ratio)
+        return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=loss_mask, ratio=ratio)
     with torch.no_grad():
-        sums = _sums(out, mm=mm, corr=corr, kept=kept, n=n, base=base, bad_adv_seqs=bad_adv_seqs,
-                     k3=k3, agg=agg, full=metrics == "full", stages=metrics != "loss")
+        sums = _sums(out, mm=mm, corr=corr, kept=kept, rows=rows, corr_rows=corr_rows, n=n, base=base,
+                     bad_adv_seqs=bad_adv_seqs, k3=k3, agg=agg, full=metrics == "full",
+                     stages=metrics != "loss")
         sums["loss/pg_loss"] = pg_loss.float()
         sums["loss/loss"] = loss.detach().float()
         m = reduce_metrics(sums)
         if metrics == "full" and mm is not None:
             m.update(mismatch_quantiles(mm, DEFAULT_QUANTILES))
-    return LossOutput(loss=loss, token_loss=token_loss, mask=kept, metrics=m, ratio=out.ratio, sums=sums)
+    return LossOutput(loss=loss, token_loss=token_loss, mask=loss_mask, metrics=m, ratio=ratio, sums=sums)
 
 
-def _base(mask, mm: Mismatch | None, corr: Correction | None) -> torch.Tensor:
-    """The tokens the correction keeps (the record's valid ones without a correction): a
-    correction's mask is intersected with its record's valid tokens, so a non-finite token
-    never gets through; a computed ``Correction`` given without a record is trusted (the
-    caller built it from one: TRL's generation step)."""
+def _base(mask, mm: Mismatch | None, corr: Correction | None):
+    """``(tokens, rows)``: the tokens the correction keeps (the record's valid ones without a
+    correction) as a ``[B, T]`` token part and a ``[B]`` bool row part (a veto's
+    ``Correction.factor``; ``None`` without one). A correction's tokens are intersected with
+    its record's valid tokens, so a non-finite token never gets through; a computed
+    ``Correction`` given without a record is trusted (the caller built it from one: TRL's
+    generation step)."""
     if corr is None:
-        return mask if mm is None else mm.valid
+        return (mask if mm is None else mm.valid), None
     valid = mm.valid if mm is not None else (corr.source.valid if corr.source is not None else None)
-    return corr.mask if valid is None else corr.mask & valid
+    tokens, rows = (corr.mask, None) if corr.factor is None else (corr.factor.token_mask, corr.factor.rows)
+    return (tokens if valid is None else tokens & valid), rows
 
 
-def _learner_side(logp, old_logp, ref_logp, advantages, base):
-    """The loss's tokens: ``base`` minus those with a non-finite ``logp - old_logp`` (or
-    ``ref_logp``) or advantage; the float32 advantages (``[B, 1]`` or ``[B, T]``, 0 where
-    non-finite) and the number of rows with a non-finite advantage."""
+def _token_weights(corr: Correction | None, kept: torch.Tensor) -> torch.Tensor:
+    """The correction's token weights before its batch scale (of its token part when it has a
+    row part), 1 without weights.  ``[B, T]``"""
+    if corr is None:
+        return kept.float()
+    w = corr.token_weights if corr.factor is None else corr.factor.token_weights
+    return kept.float() if w is None else w
+
+
+def _learner_side(logp, old_logp, ref_logp, advantages, base, rows):
+    """The loss's tokens (a token part): ``base`` minus those with a non-finite ``logp -
+    old_logp`` (or ``ref_logp``) or advantage; the float32 advantages (``[B, 1]`` or
+    ``[B, T]``, 0 where non-finite) and the number of rows (of ``rows``, the correction's row
+    part, when given) with a non-finite advantage."""
     kept = base & torch.isfinite(logp.detach().float() - old_logp.detach().float())  # [B, T]
     if ref_logp is not None:
         kept = kept & torch.isfinite(ref_logp.detach())
@@ -303,14 +325,12 @@ def _learner_side(logp, old_logp, ref_logp, advantages, base):
     if adv.dim() == 1 or adv.shape[1] == 1:
         adv = adv.reshape(-1, 1)  # [B, 1]
     ok = torch.isfinite(adv)  # [B, 1] or [B, T]
-    if adv.shape[1] == 1:
-        bad_seqs = count(~ok)
-    else:
-        bad_seqs = count(row_any(kept & ~ok))
-    return kept & ok, torch.where(ok, adv, 0.0), bad_seqs
+    bad = ~ok[:, 0] if adv.shape[1] == 1 else row_any(kept & ~ok)  # [B]
+    return kept & ok, torch.where(ok, adv, 0.0), count(bad if rows is None or adv.shape[1] == 1 else bad & rows)
 
 
-def _sums(out, *, mm, corr, kept, n, base, bad_adv_seqs, k3, agg, full, stages) -> dict[str, torch.Tensor]:
+def _sums(out, *, mm, corr, kept, rows, corr_rows, n, base, bad_adv_seqs, k3, agg, full,
+          stages) -> dict[str, torch.Tensor]:
     """Every stage's metrics as 0-d sums and counts (``reduce_metrics`` conventions): the
     record's, the correction's and the loss's per-kept-token means and counts."""
     sums: dict[str, torch.Tensor] = {}
@@ -321,14 +341,15 @@ def _sums(out, *, mm, corr, kept, n, base, bad_adv_seqs, k3, agg, full, stages) 
         sums.update(corr.metric_sums(full=full))
     loss_sums = out.sums()
     if k3 is not None:
-        loss_sums["loss/kl_ref_k3_mean"] = total(k3)
+        loss_sums["loss/kl_ref_k3_mean"] = total(k3)  # 0 on dropped rows
     for name in list(loss_sums):
         if not name.endswith("#n") and "#" not in name and name + "#n" not in loss_sums:
             loss_sums[name + "#n"] = n  # a per-kept-token mean
     sums.update(loss_sums)
     sums["loss/tokens"] = n
-    sums["loss/sequences"] = count_rows(kept)
-    sums["loss/nonfinite_tokens"] = count(base) - n
+    # row-weighted sums: the row tests wait for no token pass
+    sums["loss/sequences"] = count_rows(kept, rows)
+    sums["loss/nonfinite_tokens"] = (count(base) if corr_rows is None else rows_count(base, corr_rows)) - n
     sums["loss/nonfinite_advantage_seqs"] = bad_adv_seqs
     fallback = agg.normalizer_fallback()
     if fallback is not None:

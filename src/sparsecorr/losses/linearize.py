@@ -14,9 +14,13 @@ multiply, \(\partial L/\partial \text{logp}_{i,t} = (\partial L/\partial v_{i,t}
 
 Why: with autograd through ``torch.where(kept, ...)``, the backward needs the ``[B, T]`` bool
 ``kept`` (or what it is made of) and the min-cut partitioner of ``torch.compile`` saves that
-bool plus the float inputs of every ``exp`` and ``clamp``; here the backward keeps one float per
-token and nothing else, whatever the formula. Same code and same numbers on every device; under
-``torch.compile(fullgraph=True)`` ``torch.func.grad`` traces into the forward graph.
+bool plus the float inputs of every ``exp`` and ``clamp`` and re-derives the rest in the
+compiled backward; here the backward keeps one float per token and nothing else, whatever the
+formula. Under ``torch.compile(fullgraph=True)`` ``torch.func.grad`` traces into the forward
+graph. In eager mode there is no partitioner, so by default ``linearized`` leaves the gradient
+to autograd through the same ``fn`` (no ``torch.func`` dispatch per op, and saved-tensor hooks
+keep working); ``in_forward=`` picks either way, and the two are tested equal. Same code and
+same numbers on every device.
 
 Exactness: \(g\) is the derivative of a row's *sum*. For a per-token term (\(v_{i,t}\) depends on
 \(z_{i,t}\) only: PPO, CISPO, SAPO, VESPO's token factor, k3) it is the exact per-token gradient,
@@ -51,17 +55,25 @@ class _WithGradient(torch.autograd.Function):
 
 
 def linearized(
-    fn: Callable[[torch.Tensor], tuple[torch.Tensor, object]], logp: torch.Tensor,
+    fn: Callable[[torch.Tensor], tuple[torch.Tensor, object]], logp: torch.Tensor, *,
+    in_forward: bool | None = None,
 ) -> tuple[torch.Tensor, object]:
     r"""``(value, aux)`` of ``fn(logp.float())``, ``value`` carrying the gradient with respect to
-    ``logp`` (computed in this call, see the module docstring).
+    ``logp`` (see the module docstring).
 
     Args:
         fn: ``z -> (value, aux)``: the ``[B, T]`` term as a differentiable function of the float32
-            log-probs ``z`` and any detached by-products (``aux``: a tensor or a tuple of them, ``()`` for none) its
-            metrics read.
+            log-probs ``z`` and the by-products its metrics read (``aux``: a tensor or a tuple
+            of them, ``()`` for none; returned detached).
         logp: the learner's log-probs (any float dtype); no gradient is taken when it does not
             require one or grad mode is off.
+        in_forward: take the gradient in the forward pass (``torch.func.grad``, one float per
+            token kept for the backward) or leave it to autograd through ``fn`` (eager
+            autograd saves what each op needs, and works under saved-tensor hooks such as
+            ``torch.autograd.graph.save_on_cpu``, which ``torch.func.grad`` refuses). Default:
+            in the forward pass under ``torch.compile``, autograd in eager mode. Both give the
+            same gradient (tested: ``tests/unit/losses/test_linearize.py`` and the
+            compiled-equals-eager tests).
 
     Shapes:
         logp ``[B, T]`` -> value ``[B, T]``, aux as ``fn`` returns it.
@@ -70,6 +82,9 @@ def linearized(
     if not (logp.requires_grad and torch.is_grad_enabled()):
         with torch.no_grad():
             return fn(z)
+    if not (torch.compiler.is_compiling() if in_forward is None else in_forward):
+        value, aux = fn(logp.float())
+        return value, _detached(aux)
 
     def row_sums_total(w: torch.Tensor):
         value, aux = fn(w)
@@ -77,3 +92,9 @@ def linearized(
 
     grad, (value, aux) = torch.func.grad(row_sums_total, has_aux=True)(z)  # [B, T], ([B, T], aux)
     return _WithGradient.apply(logp, value, grad), aux
+
+
+def _detached(aux: object) -> object:
+    if isinstance(aux, torch.Tensor):
+        return aux.detach()
+    return tuple(_detached(a) for a in aux)

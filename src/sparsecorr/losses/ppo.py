@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import count
-from .._masks import extremes, total
+from .._masks import and_rows, extremes, rows_count, rows_total, total
 from .._ratio import LOG_RATIO_CLAMP, ratio, ratio_m1
 from .aggregation import scaled_sum
 from .linearize import linearized
@@ -46,8 +46,11 @@ class SurrogateInputs:
         logp: learner log-probs (carry the gradient; any float dtype).  ``[B, T]``
         old_logp: float32 detached dense log-probs.  ``[B, T]``
         log_ratio: float32 detached \(\text{logp} - \text{old\_logp}\), 0 where not kept.  ``[B, T]``
-        kept: bool, the tokens in the loss.  ``[B, T]``
-        advantages: float32, 0 where non-finite.  ``[B, 1]`` or ``[B, T]``
+        kept: bool, the tokens in the loss, as a token part: the loss's tokens are ``kept``
+            on the ``rows`` (``loss_mask``).  ``[B, T]``
+        advantages: float32, 0 where non-finite and on the rows ``rows`` drops (so every
+            surrogate, being linear in \(A\), gives them no loss and no gradient).
+            ``[B, 1]`` or ``[B, T]``
         weights: float32 detached IS weights \(w_t\) of the correction *before* its batch
             scale, 1 on kept tokens without a correction, 0 where not kept.  ``[B, T]``
         neg_weighted_adv: float32 \(-w_t A\), 0 where not kept.  ``[B, T]``
@@ -63,6 +66,10 @@ class SurrogateInputs:
             for surrogates that fold it into their own ratio (VESPO) instead of multiplying the
             token loss by it; ``None`` without a correction.  ``[B, T]``
         full_metrics: whether the caller reports the full metric set.
+        rows: bool, the rows a correction keeps as a whole (a veto's row part,
+            ``Correction.factor``), or ``None`` for every row: a row it drops is removed by
+            its advantage and by the row-weighted sums ``count`` / ``total``, not by a
+            ``[B, T]`` mask, so the token pass never waits for the row test.  ``[B]``
     """
 
     logp: torch.Tensor
@@ -77,6 +84,21 @@ class SurrogateInputs:
     is_ratio: torch.Tensor | None = None
     full_metrics: bool = False
     weight_scale: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """bool ``kept`` on the kept ``rows``: the tokens in the loss.  ``[B, T]``"""
+        return self.kept if self.rows is None else and_rows(self.kept, self.rows)
+
+    def count(self, mask: torch.Tensor) -> torch.Tensor:
+        """0-d float32 number of True entries of a ``[B, T]`` bool ``mask`` within ``kept``,
+        on the kept ``rows``."""
+        return count(mask) if self.rows is None else rows_count(mask, self.rows)
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        """0-d sum of a ``[B, T]`` tensor that is 0 off ``kept``, on the kept ``rows``."""
+        return total(x) if self.rows is None else rows_total(x, self.rows)
 
 
 @dataclass(frozen=True)
@@ -139,15 +161,15 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
 
     def sums() -> dict[str, torch.Tensor]:
         above, below = x.kept & (r > hi_m1), x.kept & (r < lo_m1)
-        out = {"loss/clip_frac_low": count(below), "loss/clip_frac_high": count(above & pos)}
+        out = {"loss/clip_frac_low": x.count(below), "loss/clip_frac_high": x.count(above & pos)}
         if dual_clip is not None:
-            out["loss/clip_frac_dual"] = count(above & ~pos)
+            out["loss/clip_frac_dual"] = x.count(above & ~pos)
         else:  # a ratio pinned at e^{+20} on an A < 0 token counts as clipped above
-            out["loss/clip_frac_high"] = count(above)
-        out["loss/ratio_mean"] = x.n + total(r)  # rho - 1 is 0 off the kept tokens
-        out["loss/ppo_kl_k1_mean"] = -total(x.log_ratio)
+            out["loss/clip_frac_high"] = x.count(above)
+        out["loss/ratio_mean"] = x.n + x.total(r)  # rho - 1 is 0 off the kept tokens
+        out["loss/ppo_kl_k1_mean"] = -x.total(x.log_ratio)
         if x.full_metrics:
-            out.update(ratio_extremes(r + 1.0, x.kept, x.n))
+            out.update(ratio_extremes(r + 1.0, x.loss_mask, x.n))
         return out
 
     return SurrogateOutput(token_loss_, loss, ratio=r + 1.0, kl_ratio=token_ratio(x), sums=sums)
@@ -156,8 +178,8 @@ def ppo_clip_forward(x: SurrogateInputs, *, clip_low: float, clip_high: float,
 def ratio_sums(x: SurrogateInputs, r: torch.Tensor) -> dict[str, torch.Tensor]:
     """``loss/ratio_mean`` and ``loss/ppo_kl_k1_mean`` as kept-token sums (their ``#n`` counts
     are added by ``sparse_grpo``)."""
-    return {"loss/ratio_mean": total(torch.where(x.kept, r, 0.0)),
-            "loss/ppo_kl_k1_mean": -total(x.log_ratio)}
+    return {"loss/ratio_mean": x.total(torch.where(x.kept, r, 0.0)),
+            "loss/ppo_kl_k1_mean": -x.total(x.log_ratio)}
 
 
 def ratio_extremes(r: torch.Tensor, kept: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:

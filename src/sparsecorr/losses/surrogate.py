@@ -110,7 +110,7 @@ class GSPO(_Clip):
 
         def sums() -> dict[str, torch.Tensor]:
             moved = (clipped != r).expand_as(kept)
-            return {**ratio_sums(x, r.expand_as(kept)), "loss/clip_frac": count(kept & moved)}
+            return {**ratio_sums(x, r.expand_as(kept)), "loss/clip_frac": x.count(kept & moved)}
 
         return SurrogateOutput(token_loss_, loss, ratio=r, kl_ratio=seq_ratio, sums=sums)
 
@@ -132,7 +132,7 @@ class CISPO:
         token_loss, loss = weighted_loss(x, tl)
 
         def sums() -> dict[str, torch.Tensor]:
-            return {**ratio_sums(x, r), "loss/clip_frac": count(x.kept & (r > self.cap))}
+            return {**ratio_sums(x, r), "loss/clip_frac": x.count(x.kept & (r > self.cap))}
 
         return SurrogateOutput(token_loss, loss, ratio=r, kl_ratio=token_ratio(x), sums=sums)
 
