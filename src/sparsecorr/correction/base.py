@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import count
-from .._masks import and_rows, extremes, row_any, total
+from .._masks import and_rows, extremes, row_any
 from ..mismatch import Mismatch, reduce_metrics
 
 __all__ = ["Correction", "CorrectionFn", "RowFactor", "chain", "kept_sum", "masked_extremes"]
@@ -154,7 +154,8 @@ class Correction:
 def kept_sum(c: Correction, power: int | None = None, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """0-d sum over ``c``'s kept tokens of ``w ** power`` (``w`` the token weights before the
     scale, 1 without; ``power=None``: the number of kept tokens, float32). With a ``RowFactor``
-    the row sums are of the token part, times the kept rows."""
+    the row sums are of the token part, times the kept rows. ``dtype``: the dtype of the sum
+    over rows (the row sums are float32)."""
     f = c.factor
     mask, w = (c.mask, c.token_weights) if f is None else (f.token_mask, f.token_weights)
     if power is None:
@@ -163,9 +164,9 @@ def kept_sum(c: Correction, power: int | None = None, *, dtype: torch.dtype | No
         return (mask.sum(dim=-1, dtype=torch.int32) * f.rows).sum(dtype=torch.int64).float()
     x = mask.float() if w is None else w.detach().float()  # [B, T], 0 off the token part
     x = x if power == 1 else x.pow(power)
-    if f is None:
-        return total(x, dtype=dtype)
-    return (x.sum(dim=-1, dtype=dtype) * f.rows).sum()
+    rows = x.sum(dim=-1)  # [B] float32 (pairwise-summed by torch and by inductor)
+    rows = rows if dtype is None else rows.to(dtype)
+    return (rows if f is None else rows * f.rows).sum()
 
 
 #: the one correction protocol

@@ -204,7 +204,8 @@ def normalize(c: Correction, group: object | None = None) -> Correction:
     0 means no kept token (kept weights of the library's corrections are > 0): any scale works."""
     if c.token_weights is None:  # every kept weight is 1 already
         return c
-    # float64 sums: the scale does not depend on how the batch is split over ranks (to rounding)
+    # float32 row sums, summed over rows in float64: the scale does not depend on how the
+    # batch is split over ranks (to rounding)
     w_sum = kept_sum(c, 1, dtype=torch.float64)
     sums = all_reduce_sum(torch.stack([w_sum, kept_sum(c).double()]), group)  # [2]
     scale = (sums[1] / sums[0].clamp(min=1e-30)).float()
