@@ -41,7 +41,7 @@ from .._checks import (
     check_same_shape,
     count,
 )
-from .._masks import and_rows, count_rows, row_any, rows_count, total
+from .._masks import and_rows, count_rows, row_any, rows_count, rows_total, total
 from .._ratio import clamp_log_ratio
 from ..correction import Correction
 from ..mismatch import Mismatch, measure, mismatch_quantiles, reduce_metrics
@@ -234,9 +234,7 @@ def sparse_grpo(
         base, corr_rows = _base(mask, mm, corr)  # [B, T] token part, [B] bool row part (a veto) or None
         kept, adv, bad_adv_seqs = _learner_side(logp, old_logp, ref_logp if use_ref else None,
                                                 advantages, base, corr_rows)
-        rows = corr_rows
-        if rows is not None:  # a dropped row: A = 0 (no loss, no gradient) and out of every sum
-            adv = adv * rows.reshape(-1, 1)  # [B, 1] or [B, T]
+        rows = corr_rows  # a dropped row leaves the loss by its row scale and every sum by row weights
         old = old_logp.detach().float()
         log_ratio = torch.where(kept, logp.detach().float() - old, 0.0)  # [B, T]
         n = count(kept) if rows is None else rows_count(kept, rows)
@@ -247,7 +245,9 @@ def sparse_grpo(
         w_scale = None if corr is None or corr.scale is None else corr.scale.detach().float().reshape(())
         is_ratio = None if corr is None else (weights if w_scale is None else weights * w_scale)
         loss_mask = kept if rows is None else and_rows(kept, rows)  # [B, T]
-    scales = agg.row_scales(loss_mask, tokens=n)
+    scales = agg.row_scales(loss_mask, tokens=n)  # [B] or [1]
+    if rows is not None:
+        scales = scales * rows  # [B]: 0 on a dropped row (no loss, no gradient)
     out = sur(SurrogateInputs(logp=logp, old_logp=old, log_ratio=log_ratio, kept=kept, advantages=adv,
                               weights=weights, neg_weighted_adv=neg_wa, scales=scales, n=n,
                               is_ratio=is_ratio, full_metrics=metrics == "full", weight_scale=w_scale,
@@ -258,10 +258,9 @@ def sparse_grpo(
     if use_ref:
         ref = ref_logp.detach().float()
 
-        def k3_of(z: torch.Tensor) -> torch.Tensor:  # k3 of the learner's log-probs z, 0 off the loss
+        def k3_of(z: torch.Tensor) -> torch.Tensor:  # k3 of the learner's log-probs z, 0 off kept
             d = clamp_log_ratio(torch.where(kept, ref - z, 0.0))  # [B, T]
-            k3_ = torch.expm1(d) - d
-            return k3_ if rows is None else k3_ * rows.reshape(-1, 1)
+            return torch.expm1(d) - d
 
         def penalty(z: torch.Tensor):
             k3_ = k3_of(z)
@@ -274,7 +273,8 @@ def sparse_grpo(
         else:  # the metric only
             with torch.no_grad():
                 k3 = k3_of(logp.detach().float())
-    # the ratio is 1 off the loss's tokens (a dropped row's tokens included)
+    if rows is not None:  # the outputs on a dropped row: token loss 0, ratio 1 (as off kept)
+        token_loss = token_loss * rows.reshape(-1, 1)
     ratio = out.ratio if rows is None else torch.where(rows.reshape(-1, 1), out.ratio, 1.0)
     if metrics == "none":
         return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=loss_mask, ratio=ratio)
@@ -341,7 +341,7 @@ def _sums(out, *, mm, corr, kept, rows, corr_rows, n, base, bad_adv_seqs, k3, ag
         sums.update(corr.metric_sums(full=full))
     loss_sums = out.sums()
     if k3 is not None:
-        loss_sums["loss/kl_ref_k3_mean"] = total(k3)  # 0 on dropped rows
+        loss_sums["loss/kl_ref_k3_mean"] = total(k3) if rows is None else rows_total(k3, rows)
     for name in list(loss_sums):
         if not name.endswith("#n") and "#" not in name and name + "#n" not in loss_sums:
             loss_sums[name + "#n"] = n  # a per-kept-token mean

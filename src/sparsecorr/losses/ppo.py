@@ -48,13 +48,11 @@ class SurrogateInputs:
         log_ratio: float32 detached \(\text{logp} - \text{old\_logp}\), 0 where not kept.  ``[B, T]``
         kept: bool, the tokens in the loss, as a token part: the loss's tokens are ``kept``
             on the ``rows`` (``loss_mask``).  ``[B, T]``
-        advantages: float32, 0 where non-finite and on the rows ``rows`` drops (so every
-            surrogate, being linear in \(A\), gives them no loss and no gradient).
-            ``[B, 1]`` or ``[B, T]``
+        advantages: float32, 0 where non-finite.  ``[B, 1]`` or ``[B, T]``
         weights: float32 detached IS weights \(w_t\) of the correction *before* its batch
             scale, 1 on kept tokens without a correction, 0 where not kept.  ``[B, T]``
         neg_weighted_adv: float32 \(-w_t A\), 0 where not kept.  ``[B, T]``
-        scales: row scales of the aggregation.  ``[B]`` or ``[1]``
+        scales: row scales of the aggregation, 0 on a row ``rows`` drops.  ``[B]`` or ``[1]``
         weight_scale: the correction's 0-d batch scale \(s\) (``Correction.scale``) or
             ``None``: a surrogate linear in \(w_t\) hands its unscaled token loss to
             [`weighted_loss`][sparsecorr.losses.ppo.weighted_loss], which applies \(s\) to the
@@ -68,8 +66,10 @@ class SurrogateInputs:
         full_metrics: whether the caller reports the full metric set.
         rows: bool, the rows a correction keeps as a whole (a veto's row part,
             ``Correction.factor``), or ``None`` for every row: a row it drops is removed by
-            its advantage and by the row-weighted sums ``count`` / ``total``, not by a
-            ``[B, T]`` mask, so the token pass never waits for the row test.  ``[B]``
+            its row scale (``scales``) and by the row-weighted sums ``count`` / ``total``, not
+            by a ``[B, T]`` mask, so the token pass never waits for the row test (a
+            surrogate's token loss may be non-zero there; ``sparse_grpo`` zeroes the
+            ``token_loss`` it returns).  ``[B]``
     """
 
     logp: torch.Tensor

@@ -38,18 +38,20 @@ def _as_q(q: float | Sequence[float] | torch.Tensor, device: torch.device) -> tu
 def _interpolate(sorted_x: torch.Tensor, n: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Linear-interpolated quantiles of the first ``n`` entries of each sorted row.
 
+    Every level's two neighbours are read in one gather; their positions are at most
+    ``max(n - 1, 0)``, inside the row (``n <= L``, ``L >= 1``).
+
     sorted_x ``[R, L]`` (valid values first, ascending), n ``[R]`` -> ``[R, Q]``.
     """
-    h = q[None, :] * (n[:, None].double() - 1).clamp(min=0)  # [R, Q]
-    lo = h.floor().long()
-    hi = (lo + 1).clamp(max=(n[:, None] - 1).clamp(min=0))
-    frac = (h - lo.double()).float()
-    width = sorted_x.shape[1]
-    x_lo = sorted_x.gather(1, lo.clamp(max=max(width - 1, 0)))
-    x_hi = sorted_x.gather(1, hi.clamp(max=max(width - 1, 0)))
-    # numpy's lerp form: exact at frac == 0 even when x_hi is inf
+    last = (n - 1).clamp(min=0)[:, None]  # [R, 1] int64
+    h = last * q  # [R, Q] float64
+    lo = h.floor()
+    frac = (h - lo).float()
+    lo = lo.long()
+    x_lo, x_hi = sorted_x.gather(1, torch.cat([lo, torch.minimum(lo + 1, last)], dim=1)).chunk(2, dim=1)
+    # numpy's lerp form: exact at frac == 0
     out = torch.where(frac > 0, x_lo + frac * (x_hi - x_lo), x_lo)
-    return torch.where(n[:, None] > 0, out, float("nan"))
+    return out.masked_fill_((n == 0)[:, None], float("nan"))
 
 
 def masked_quantile(

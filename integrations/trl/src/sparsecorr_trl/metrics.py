@@ -23,24 +23,70 @@ Shapes:
 from __future__ import annotations
 
 import torch
-from trl.trainer.utils import nanmax, nanmin
 
-__all__ = ["entropy_bonus", "trl_metrics"]
-
-
-def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if x.shape[1] == 1:
-        return x.squeeze(1)
-    return (x * mask).sum(-1) / mask.sum(-1)
+__all__ = ["entropy_bonus", "log_sparsecorr", "trl_metrics"]
 
 
-def _global_mean(accelerator, x: torch.Tensor, mask: torch.Tensor) -> float:
+def log_sparsecorr(trainer, metrics: dict) -> None:
+    """Append ``metrics`` (0-d tensors or numbers) to the trainer's logged metrics as
+    ``sparsecorr/<name>``. The tensors are read back to the host together: one transfer, not
+    one per metric (TRL's own metrics make one each)."""
+    mode = "train" if trainer.model.training else "eval"
+    logged = trainer._metrics[mode]
+    tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
+    read = {}
+    if tensors:  # float64 holds every float32 value and every count exactly
+        read = dict(zip(tensors, torch.stack([v.detach().reshape(()).double() for v in tensors.values()]).tolist()))
+    for name, value in metrics.items():
+        logged[f"sparsecorr/{name}"].append(float(read.get(name, value)))
+
+
+def _global_mean(accelerator, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """TRL's ``global_masked_mean`` as a 0-d tensor (read back with the others)."""
     if x.shape[1] == 1:
         total, n = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
     else:
         total, n = (x * mask).sum(), mask.sum().float()
     totals = accelerator.reduce(torch.stack([total, n]), reduction="sum")
-    return (totals[0] / totals[1].clamp(min=1.0)).item()
+    return totals[0] / totals[1].clamp(min=1.0)
+
+
+def _clip_fractions(accelerator, flags: torch.Tensor, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's global mean (``global_masked_mean``) and per-sequence means (``masked_seq_mean``)
+    of each 0/1 indicator of ``flags``, from one row-sum pass and one reduction over processes.
+    The sums are counts, exact in any order, so every value is the one TRL computes.
+
+    Shapes:
+        flags: ``[K, B, T]`` or ``[K, B, 1]`` (one value per sequence) -> ``[K]``, ``[K, B]``.
+    """
+    if flags.shape[-1] == 1:
+        per_seq = flags[..., 0]  # [K, B]
+        n = torch.tensor(float(flags.shape[1]), device=flags.device)
+    else:
+        per_seq = (flags * mask).sum(-1)  # [K, B] counts
+        n = mask.sum().float()
+    totals = accelerator.reduce(torch.cat([per_seq.sum(-1), n.reshape(1)]), reduction="sum")
+    means = totals[:-1] / totals[-1].clamp(min=1.0)  # [K]
+    if flags.shape[-1] != 1:
+        per_seq = per_seq / mask.sum(-1)
+    return means, per_seq
+
+
+def _nan_extremes(x: torch.Tensor) -> torch.Tensor:
+    """``[nanmin(x[:, 0]), nanmax(x[:, 1])]`` as TRL's ``nanmin`` / ``nanmax`` (NaN where every
+    value is NaN), without reading anything back to the host.
+
+    Shapes:
+        x: ``[N, 2]`` -> ``[2]``.
+    """
+    if x.shape[0] == 0:
+        return torch.full((2,), float("nan"), dtype=x.dtype, device=x.device)
+    signed = x * torch.tensor([1.0, -1.0], dtype=x.dtype, device=x.device)  # max = -min(-x)
+    missing = torch.isnan(signed)
+    lowest = torch.where(missing, float("inf"), signed).amin(0)  # [2]
+    lowest = torch.where(missing.all(0), float("nan"), lowest)
+    return lowest * torch.tensor([1.0, -1.0], dtype=x.dtype, device=x.device)
 
 
 def trl_metrics(accelerator, *, loss_type: str, ratio: torch.Tensor, advantages: torch.Tensor,
@@ -48,6 +94,9 @@ def trl_metrics(accelerator, *, loss_type: str, ratio: torch.Tensor, advantages:
                 clip_low: float, clip_high: float,
                 sums: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """TRL's ``kl``, ``entropy`` and ``clip_ratio/*`` for one micro-batch (module docstring).
+
+    The values are TRL's; they are read back to the host together (one synchronisation, TRL
+    makes one per metric), and the three clip fractions share one reduction over processes.
 
     Args:
         accelerator: the trainer's ``accelerate.Accelerator`` (reduces over processes).
@@ -65,26 +114,32 @@ def trl_metrics(accelerator, *, loss_type: str, ratio: torch.Tensor, advantages:
     Shapes:
         ratio: ``[B, T]`` or ``[B, 1]``; advantages ``[B, 1]``; others ``[B, T]``.
     """
-    out: dict[str, float] = {}
+    names: list[str] = []
+    values: list[torch.Tensor] = []  # 1-d pieces, read back together
     if per_token_kl is not None:
-        out["kl"] = _global_mean(accelerator, per_token_kl, mask)
-    out["entropy"] = _global_mean(accelerator, entropies, mask)
+        names.append("kl")
+        values.append(_global_mean(accelerator, per_token_kl, mask).reshape(1))
+    names.append("entropy")
+    values.append(_global_mean(accelerator, entropies, mask).reshape(1))
     if loss_type == "vespo":
         key = "loss/vespo_phi_seq_mean"
         totals = accelerator.reduce(torch.stack([sums[key], sums[key + "#n"]]).float(), reduction="sum")
-        out["vespo/phi_seq_mean"] = (totals[0] / totals[1].clamp(min=1.0)).item()
+        names.append("vespo/phi_seq_mean")
+        values.append((totals[0] / totals[1].clamp(min=1.0)).reshape(1))
     elif loss_type == "cispo":
         clipped = ((ratio > clip_high) & (advantages > 0)).float()
-        out["cispo_clip_ratio"] = _global_mean(accelerator, clipped, mask)
+        names.append("cispo_clip_ratio")
+        values.append(_global_mean(accelerator, clipped, mask).reshape(1))
     elif loss_type not in ("sapo", "vespo"):
-        low = ((ratio < 1 - clip_low) & (advantages < 0)).float()
-        high = ((ratio > 1 + clip_high) & (advantages > 0)).float()
-        out["clip_ratio/low_mean"] = _global_mean(accelerator, low, mask)
-        out["clip_ratio/high_mean"] = _global_mean(accelerator, high, mask)
-        out["clip_ratio/region_mean"] = _global_mean(accelerator, torch.maximum(low, high), mask)
-        out["clip_ratio/low_min"] = nanmin(accelerator.gather(_seq_mean(low, mask))).item()
-        out["clip_ratio/high_max"] = nanmax(accelerator.gather(_seq_mean(high, mask))).item()
-    return out
+        low = (ratio < 1 - clip_low) & (advantages < 0)
+        high = (ratio > 1 + clip_high) & (advantages > 0)
+        flags = torch.stack([low, high, low | high]).float()  # [3, B, T] or [3, B, 1]
+        means, per_seq = _clip_fractions(accelerator, flags, mask)
+        gathered = accelerator.gather(per_seq[:2].T.contiguous())  # [B, 2] of every process
+        names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                  "clip_ratio/low_min", "clip_ratio/high_max"]
+        values += [means, _nan_extremes(gathered)]
+    return dict(zip(names, torch.cat(values).tolist()))
 
 
 def entropy_bonus(trainer, entropies: torch.Tensor, mask: torch.Tensor, *, train: bool,

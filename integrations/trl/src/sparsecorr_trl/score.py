@@ -43,6 +43,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from sparsecorr._checks import count, finite
 from sparsecorr.mismatch import acceptance_rate_topk, measure, mismatch_metrics, topk_logprobs
 from sparsecorr_trl.advantages import trl_advantages
+from sparsecorr_trl.metrics import log_sparsecorr
 
 __all__ = ["acceptance", "dense_old_logp", "score_rollouts"]
 
@@ -103,12 +104,6 @@ def acceptance(trainer, out, topk_logp: torch.Tensor, topk_ids: torch.Tensor) ->
     return acceptance_rate_topk(p_logp, p_ids, q_logp, q_ids.to(p_ids.device))
 
 
-def _log(trainer, metrics: dict) -> None:
-    mode = "train" if trainer.model.training else "eval"
-    for name, value in metrics.items():
-        trainer._metrics[mode][f"sparsecorr/{name}"].append(float(value))
-
-
 def _regroup(trainer, out, keep_rows: torch.Tensor) -> int:
     """Re-derive the advantages with rejected rollouts left out; how many were (global)."""
     valid = trainer.accelerator.gather(keep_rows)
@@ -150,7 +145,7 @@ def score_rollouts(trainer, out: dict, *, topk: tuple | None) -> dict:
     if correction is None:  # no correction: the loss still leaves non-finite rollout tokens out
         out["sparsecorr_mask"] = mm.valid
         if trainer.sparsecorr_config.log_metrics:
-            _log(trainer, mismatch_metrics(mm, level="default"))
+            log_sparsecorr(trainer, mismatch_metrics(mm, level="default"))
         return out
     corr = correction(mm)
     out["sparsecorr_mask"] = corr.mask
@@ -159,6 +154,6 @@ def score_rollouts(trainer, out: dict, *, topk: tuple | None) -> dict:
     dropped = _regroup(trainer, out, corr.sequence_mask | ~mm.input_rows)
     out["num_items_in_batch"] = trainer.accelerator.gather(count(corr.mask)).sum()
     if trainer.sparsecorr_config.log_metrics:
-        _log(trainer, {**mismatch_metrics(mm), **corr.metrics,
-                       "advantages/regrouped_seqs": dropped})
+        log_sparsecorr(trainer, {**mismatch_metrics(mm), **corr.metrics,
+                                 "advantages/regrouped_seqs": dropped})
     return out

@@ -46,7 +46,7 @@ from sparsecorr_trl.checkpoint import (
 from sparsecorr_trl.config import SparseCorrConfig
 from sparsecorr_trl.corrections import needs_acceptance, with_group
 from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE, LossSpec, aggregation, trl_loss
-from sparsecorr_trl.metrics import entropy_bonus, trl_metrics
+from sparsecorr_trl.metrics import entropy_bonus, log_sparsecorr, trl_metrics
 from sparsecorr_trl.options import check_trl_version, validate_grpo_args
 from sparsecorr_trl.rollout import sampling_kwargs, sparse_rollouts
 from sparsecorr_trl.score import score_rollouts
@@ -197,8 +197,10 @@ class SparseGRPOTrainer(_trainer_base()):
         return dense_mode(model) if self.sparsecorr_config.distill else contextlib.nullcontext()
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        if not self.sparsecorr_config.distill:  # no adapter: no unwrap_model per forward
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         # DistillSparse: every learner forward is the dense model (adapter off)
-        with self._sparsecorr_dense_context(self.accelerator.unwrap_model(model)):
+        with dense_mode(self.accelerator.unwrap_model(model)):
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     def _prepare_inputs(self, generation_batch):
@@ -270,8 +272,9 @@ class SparseGRPOTrainer(_trainer_base()):
             spec, mask=mask, num_items_in_batch=inputs.get("num_items_in_batch"),
             num_processes=self.accelerator.num_processes, grad_accum=grad_accum,
             steps_per_generation=self.args.steps_per_generation, train=train)
-        mm, corr = self._sparsecorr_loss_correction(inputs, old_logp, mask.bool())
-        parts = trl_loss(spec, logp, old_logp, advantages, mask.bool(), agg=agg, divisor=divisor,
+        bool_mask = mask.bool()
+        mm, corr = self._sparsecorr_loss_correction(inputs, old_logp, bool_mask)
+        parts = trl_loss(spec, logp, old_logp, advantages, bool_mask, agg=agg, divisor=divisor,
                          factor=factor, ref_logp=inputs.get("ref_per_token_logps"),
                          mismatch=mm, correction=corr)
         loss = parts.loss
@@ -349,9 +352,5 @@ class SparseGRPOTrainer(_trainer_base()):
         super().log(logs, *args, **kwargs)
 
     def _log_sparsecorr(self, metrics: dict[str, torch.Tensor]) -> None:
-        if not self.sparsecorr_config.log_metrics:
-            return
-        mode = "train" if self.model.training else "eval"
-        for name, value in metrics.items():
-            # one host sync per logged metric, at logging granularity (as TRL's own metrics)
-            self._metrics[mode][f"sparsecorr/{name}"].append(float(value))
+        if self.sparsecorr_config.log_metrics:
+            log_sparsecorr(self, metrics)  # one read back to the host for all of them
