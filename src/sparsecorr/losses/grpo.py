@@ -194,8 +194,9 @@ def sparse_grpo(
             tensor value is read, so they cost nothing under ``torch.compile``).
 
     Returns:
-        ``LossOutput(loss, token_loss, metrics, mask, ratio, sums)``: ``ratio`` the detached
-        importance ratio the surrogate used (``[B, T]``, or ``[B, 1]`` for GSPO), ``sums`` the
+        ``LossOutput(loss, token_loss, metrics, mask, ratio, sums, kl)``: ``ratio`` the detached
+        importance ratio the surrogate used (``[B, T]``, or ``[B, 1]`` for GSPO), ``kl`` the
+        detached per-token penalty term (``None`` when ``kl`` is 0), ``sums`` the
         metrics' 0-d sums and counts (``reduce_metrics(out.sums, group)`` gives the metrics
         over data-parallel ranks); metrics ``loss/*`` (clip fractions,
         ``ratio_mean``, ``ppo_kl_k1_mean``, ``tokens``, ``sequences``, ``kl_ref_k3_mean``,
@@ -254,7 +255,7 @@ def sparse_grpo(
                               rows=rows))
     token_loss, loss = out.token_loss, out.loss
     pg_loss = loss.detach()
-    k3 = None
+    k3 = kl_term = None
     if use_ref:
         ref = ref_logp.detach().float()
 
@@ -268,16 +269,19 @@ def sparse_grpo(
 
         if pen.coef > 0:
             term, k3 = linearized(penalty, logp)  # [B, T] with its gradient, k3 detached
+            kl_term = term.detach()
             token_loss = token_loss + pen.coef * term
             loss = loss + pen.coef * scaled_sum(term, scales)
         else:  # the metric only
             with torch.no_grad():
                 k3 = k3_of(logp.detach().float())
-    if rows is not None:  # the outputs on a dropped row: token loss 0, ratio 1 (as off kept)
+    if rows is not None:  # the outputs on a dropped row: token loss and KL term 0, ratio 1 (as off kept)
         token_loss = token_loss * rows.reshape(-1, 1)
+        kl_term = None if kl_term is None else kl_term * rows.reshape(-1, 1)
     ratio = out.ratio if rows is None else torch.where(rows.reshape(-1, 1), out.ratio, 1.0)
     if metrics == "none":
-        return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=loss_mask, ratio=ratio)
+        return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=loss_mask, ratio=ratio,
+                          kl=kl_term)
     with torch.no_grad():
         sums = _sums(out, mm=mm, corr=corr, kept=kept, rows=rows, corr_rows=corr_rows, n=n, base=base,
                      bad_adv_seqs=bad_adv_seqs, k3=k3, agg=agg, full=metrics == "full",
@@ -287,7 +291,8 @@ def sparse_grpo(
         m = reduce_metrics(sums)
         if metrics == "full" and mm is not None:
             m.update(mismatch_quantiles(mm, DEFAULT_QUANTILES))
-    return LossOutput(loss=loss, token_loss=token_loss, mask=loss_mask, metrics=m, ratio=ratio, sums=sums)
+    return LossOutput(loss=loss, token_loss=token_loss, mask=loss_mask, metrics=m, ratio=ratio, sums=sums,
+                      kl=kl_term)
 
 
 def _base(mask, mm: Mismatch | None, corr: Correction | None):

@@ -11,7 +11,7 @@ __all__ = ["LossOutput"]
 
 @dataclass(frozen=True)
 class LossOutput:
-    """A scalar loss, its per-token contributions and detached metrics.
+    r"""A scalar loss, its per-token contributions and detached metrics.
 
     Attributes:
         loss: 0-d float32 tensor to call ``.backward()`` on (carries the gradient).
@@ -25,9 +25,12 @@ class LossOutput:
             sequence), for a caller that logs it; ``None`` when a loss has none.
         sums: the metrics' 0-d sums and counts (``reduce_metrics(sums, group)`` reduces them
             over data-parallel ranks in one all-reduce); empty with ``metrics="none"``.
+        kl: the detached per-token KL penalty term as the loss weighs it before \(\beta\)
+            (\(k_3\), times the ratio with ``KLPenalty(bias_correction=True)``), 0 off ``mask``,
+            for a caller that logs it; ``None`` when the loss has no penalty.
 
     Shapes:
-        loss: ``[]``; token_loss, mask: ``[B, T]``.
+        loss: ``[]``; token_loss, mask, kl: ``[B, T]``.
     """
 
     loss: torch.Tensor
@@ -36,3 +39,4 @@ class LossOutput:
     mask: torch.Tensor | None = None
     ratio: torch.Tensor | None = None
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    kl: torch.Tensor | None = None

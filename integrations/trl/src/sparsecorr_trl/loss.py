@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsecorr._ratio import clamp_log_ratio
 from sparsecorr.losses import CISPO, GSPO, SAPO, VESPO, Aggregation, KLPenalty, PPOClip, sparse_grpo
 
 #: TRL ``loss_type`` -> (sparsecorr aggregation, divided by the accumulation steps)
@@ -187,11 +186,6 @@ class LossParts:
     sums: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
-def _k3(logp, ref_logp, mask):
-    d = clamp_log_ratio(torch.where(mask, ref_logp - logp, 0.0))  # [B, T], the library's one clamp
-    return torch.expm1(d) - d
-
-
 def trl_loss(spec: LossSpec, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, *, agg: Aggregation, divisor: float,
              factor: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
@@ -224,14 +218,9 @@ def trl_loss(spec: LossSpec, logp: torch.Tensor, old_logp: torch.Tensor, advanta
                       surrogate=spec.surrogate(), aggregation=agg,
                       ref_logp=ref_logp if spec.beta != 0.0 else None, kl=kl,
                       metrics="loss" if mismatch is None else "default")
-    kept, loss = out.mask, out.loss
+    loss = out.loss
     ratio = out.ratio  # detached, the one the surrogate used (TRL's metrics read it)
-    per_token_kl = None
-    if spec.beta != 0.0:
-        with torch.no_grad():
-            k3 = _k3(logp.detach(), ref_logp, kept)
-            term = k3 * ratio if spec.bias_correction_kl else k3
-            per_token_kl = torch.where(kept, term, 0.0)
+    per_token_kl = out.kl  # the detached k3 term the loss used (times the ratio: bias correction)
     shown = ratio
     if spec.delta is not None and spec.ppo:  # TRL's metrics read the delta-clamped ratio
         shown = shown.clamp(max=spec.delta)
