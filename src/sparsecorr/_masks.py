@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["and_rows", "count_rows", "extremes", "row_any", "rows_count", "rows_total", "total"]
+__all__ = ["and_rows", "count_rows", "extremes", "masked_extremes", "row_any", "rows_count", "rows_total",
+           "total"]
 
 
 def total(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -26,6 +27,15 @@ def extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() == 2:
         return x.amin(dim=-1).amin(), x.amax(dim=-1).amax()
     return x.amin(), x.amax()
+
+
+def masked_extremes(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d ``(min, max)`` of ``x`` over ``mask`` (``(+inf, -inf)`` when nothing is masked in;
+    0 for an empty tensor). ``[B, T]`` -> ``[]``, ``[]``"""
+    if x.numel() == 0:
+        z = torch.zeros((), device=x.device)
+        return z, z
+    return extremes(torch.where(mask, x, float("inf")))[0], extremes(torch.where(mask, x, float("-inf")))[1]
 
 
 def row_any(mask: torch.Tensor) -> torch.Tensor:

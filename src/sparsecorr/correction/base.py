@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import count
-from .._masks import and_rows, extremes, row_any
+from .._masks import and_rows, masked_extremes, row_any, rows_count
 from ..mismatch import Mismatch, reduce_metrics
 
 __all__ = ["Correction", "CorrectionFn", "RowFactor", "chain", "kept_sum", "masked_extremes"]
@@ -159,9 +159,7 @@ def kept_sum(c: Correction, power: int | None = None, *, dtype: torch.dtype | No
     f = c.factor
     mask, w = (c.mask, c.token_weights) if f is None else (f.token_mask, f.token_weights)
     if power is None:
-        if f is None:
-            return count(mask)
-        return (mask.sum(dim=-1, dtype=torch.int32) * f.rows).sum(dtype=torch.int64).float()
+        return count(mask) if f is None else rows_count(mask, f.rows)
     x = mask.float() if w is None else w.detach().float()  # [B, T], 0 off the token part
     x = x if power == 1 else x.pow(power)
     rows = x.sum(dim=-1)  # [B] float32 (pairwise-summed by torch and by inductor)
@@ -171,15 +169,6 @@ def kept_sum(c: Correction, power: int | None = None, *, dtype: torch.dtype | No
 
 #: the one correction protocol
 CorrectionFn = Callable[[Mismatch], Correction]
-
-
-def masked_extremes(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """0-d ``(min, max)`` of ``x`` over ``mask`` (``(+inf, -inf)`` when nothing is masked in;
-    0 for an empty tensor). ``[B, T]`` -> ``[]``, ``[]``"""
-    if x.numel() == 0:
-        z = torch.zeros((), device=x.device)
-        return z, z
-    return extremes(torch.where(mask, x, float("inf")))[0], extremes(torch.where(mask, x, float("-inf")))[1]
 
 
 def standard_sums(c: Correction, *, full: bool = False) -> dict[str, torch.Tensor]:

@@ -232,10 +232,11 @@ def sparse_grpo(
     corr = _correction(correction, mm, advantages, logp)
     use_ref = ref_logp is not None and (pen.coef > 0 or metrics != "none")
     with torch.no_grad():
-        base, corr_rows = _base(mask, mm, corr)  # [B, T] token part, [B] bool row part (a veto) or None
+        # [B, T] token part, [B] bool row part (a veto's) or None: a dropped row leaves the loss
+        # by its row scale and every sum by row weights
+        base, rows = _base(mask, mm, corr)
         kept, adv, bad_adv_seqs = _learner_side(logp, old_logp, ref_logp if use_ref else None,
-                                                advantages, base, corr_rows)
-        rows = corr_rows  # a dropped row leaves the loss by its row scale and every sum by row weights
+                                                advantages, base, rows)
         old = old_logp.detach().float()
         log_ratio = torch.where(kept, logp.detach().float() - old, 0.0)  # [B, T]
         n = count(kept) if rows is None else rows_count(kept, rows)
@@ -283,7 +284,7 @@ def sparse_grpo(
         return LossOutput(loss=loss, token_loss=token_loss, metrics={}, mask=loss_mask, ratio=ratio,
                           kl=kl_term)
     with torch.no_grad():
-        sums = _sums(out, mm=mm, corr=corr, kept=kept, rows=rows, corr_rows=corr_rows, n=n, base=base,
+        sums = _sums(out, mm=mm, corr=corr, kept=kept, rows=rows, n=n, base=base,
                      bad_adv_seqs=bad_adv_seqs, k3=k3, agg=agg, full=metrics == "full",
                      stages=metrics != "loss")
         sums["loss/pg_loss"] = pg_loss.float()
@@ -330,11 +331,15 @@ def _learner_side(logp, old_logp, ref_logp, advantages, base, rows):
     if adv.dim() == 1 or adv.shape[1] == 1:
         adv = adv.reshape(-1, 1)  # [B, 1]
     ok = torch.isfinite(adv)  # [B, 1] or [B, T]
-    bad = ~ok[:, 0] if adv.shape[1] == 1 else row_any(kept & ~ok)  # [B]
-    return kept & ok, torch.where(ok, adv, 0.0), count(bad if rows is None or adv.shape[1] == 1 else bad & rows)
+    if adv.shape[1] == 1:  # every row whose advantage is non-finite
+        bad = count(~ok)
+    else:  # the rows (kept by ``rows``) with a kept token whose advantage is non-finite
+        bad_rows = row_any(kept & ~ok)  # [B]
+        bad = count(bad_rows if rows is None else bad_rows & rows)
+    return kept & ok, torch.where(ok, adv, 0.0), bad
 
 
-def _sums(out, *, mm, corr, kept, rows, corr_rows, n, base, bad_adv_seqs, k3, agg, full,
+def _sums(out, *, mm, corr, kept, rows, n, base, bad_adv_seqs, k3, agg, full,
           stages) -> dict[str, torch.Tensor]:
     """Every stage's metrics as 0-d sums and counts (``reduce_metrics`` conventions): the
     record's, the correction's and the loss's per-kept-token means and counts."""
@@ -354,7 +359,7 @@ def _sums(out, *, mm, corr, kept, rows, corr_rows, n, base, bad_adv_seqs, k3, ag
     sums["loss/tokens"] = n
     # row-weighted sums: the row tests wait for no token pass
     sums["loss/sequences"] = count_rows(kept, rows)
-    sums["loss/nonfinite_tokens"] = (count(base) if corr_rows is None else rows_count(base, corr_rows)) - n
+    sums["loss/nonfinite_tokens"] = (count(base) if rows is None else rows_count(base, rows)) - n
     sums["loss/nonfinite_advantage_seqs"] = bad_adv_seqs
     fallback = agg.normalizer_fallback()
     if fallback is not None:

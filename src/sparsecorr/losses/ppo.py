@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import count
-from .._masks import and_rows, extremes, rows_count, rows_total, total
+from .._masks import and_rows, masked_extremes, rows_count, rows_total, total
 from .._ratio import LOG_RATIO_CLAMP, ratio, ratio_m1
 from .aggregation import scaled_sum
 from .linearize import linearized
@@ -184,10 +184,5 @@ def ratio_sums(x: SurrogateInputs, r: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def ratio_extremes(r: torch.Tensor, kept: torch.Tensor, n: torch.Tensor) -> dict[str, torch.Tensor]:
     """``loss/ratio_min`` / ``loss/ratio_max`` over kept tokens (NaN when none)."""
-    if r.numel() == 0:
-        z = torch.zeros((), device=r.device)
-        lo = hi = z
-    else:
-        lo = extremes(torch.where(kept, r, float("inf")))[0]
-        hi = extremes(torch.where(kept, r, float("-inf")))[1]
+    lo, hi = masked_extremes(r, kept)
     return {"loss/ratio_min#min": lo, "loss/ratio_min#n": n, "loss/ratio_max#max": hi, "loss/ratio_max#n": n}

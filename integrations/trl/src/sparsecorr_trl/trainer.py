@@ -200,7 +200,7 @@ class SparseGRPOTrainer(_trainer_base()):
         if not self.sparsecorr_config.distill:  # no adapter: no unwrap_model per forward
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         # DistillSparse: every learner forward is the dense model (adapter off)
-        with dense_mode(self.accelerator.unwrap_model(model)):
+        with self._sparsecorr_dense_context(self.accelerator.unwrap_model(model)):
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     def _prepare_inputs(self, generation_batch):
