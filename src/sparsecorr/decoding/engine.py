@@ -55,10 +55,17 @@ class Engine:
         capacity: slots per row to allocate (see `pool_capacity`).
         grad: autograd on (every pool update out of place).
         cuda_graph: replay single-token decode steps as CUDA graphs.
+        rows: the caller's row index of each engine row (CPU long ``[batch]``; default
+            ``arange``), kept through `select_rows` (kept-set records are keyed by it).
+
+    The engine owns the pool, the graphs and the backend's per-call state; `close` drops them
+    all (``generate`` calls it in a ``finally``), and no reference cycle runs through it, so
+    dropping the engine frees them at once.
     """
 
     def __init__(self, model: PreTrainedModel, *, policy: KVPolicy, backend: AttentionBackend, table: torch.Tensor,
-                 batch: int, capacity: int, grad: bool, cuda_graph: bool = False) -> None:
+                 batch: int, capacity: int, grad: bool, cuda_graph: bool = False,
+                 rows: torch.Tensor | None = None) -> None:
         self.spec = spec = model_spec(model)  # refuses attention variants it would get wrong
         self.model, self.policy, self.table = model, policy, table
         self.n_layers, self.heads_q, self.heads_kv = spec.layers, spec.heads_q, spec.heads_kv
@@ -77,11 +84,12 @@ class Engine:
         self.ctx = torch.zeros(batch, dtype=torch.long)  # tokens fed per row (host)
         self.peak_slots = 0  # max over forwards of rows x slots read
         self.keep_cap = self._keep_cap() if selects else 0
+        self.rows = torch.arange(batch) if rows is None else rows  # the caller's row of each engine row
         self.graphs = None
         if cuda_graph:
             from .graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs()  # no reference back to the engine: no cycle to collect
 
     def _keep_cap(self) -> int:
         """Most pages a sparse layer keeps in this run (a static size for CUDA graphs)."""
@@ -159,7 +167,7 @@ class Engine:
         """
         out = None
         if self.graphs is not None and self.graphs.status == "on" and decode and ids.shape[1] == 1 and not hidden:
-            out = self.graphs.run(ids)  # None if the capture failed: eager below
+            out = self.graphs.run(self, ids)  # None if the capture failed: eager below
         if out is None:
             st = self._step(ids.shape[1], real, decode)
             if st.paged:
@@ -192,8 +200,21 @@ class Engine:
         """Keep the rows where ``keep`` (CPU bool ``[B]``) is True; returns their indices."""
         rows = keep.nonzero().squeeze(1)
         self.pool.select_rows(rows.to(self.device))
-        self.count, self.ctx = self.count[rows], self.ctx[rows]
+        self.count, self.ctx, self.rows = self.count[rows], self.ctx[rows], self.rows[rows]
         return rows
+
+    def close(self) -> None:
+        """Drop the graphs, the pool and the cache (with the backend's plans and buffers), so
+        nothing this call allocated outlives it, even while a traceback still holds the engine."""
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = None
+        if self.cache is not None:
+            self.cache.step = None
+            reset = getattr(self.cache.backend, "reset_graph", None)
+            if reset is not None:
+                reset()
+        self.cache = self.pool = None
 
     def attended(self, q_len: int) -> torch.Tensor:
         """Mean KV slots attended per layer and KV head by each of the last fed queries.

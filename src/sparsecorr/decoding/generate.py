@@ -13,11 +13,13 @@ Rows that finish (EOS) or are pruned leave the batch, freeing their compute and 
 from __future__ import annotations
 
 import time
+import traceback
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
 
+from . import graphs
 from .backends import get_backend
 from .cache import ATTN_NAME, active_cache
 from .engine import Engine, pool_capacity
@@ -95,9 +97,39 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     chunk = prefill_chunk or int(lens.max())
     engine = Engine(model, policy=policy, backend=back, table=table, batch=live.numel(),
                     capacity=pool_capacity(policy, table, longest=longest, chunk=chunk), grad=grad,
-                    cuda_graph=cuda_graph)
+                    cuda_graph=cuda_graph, rows=live)
     bar = tqdm(total=t_max, disable=not progress, desc=f"decode {policy.name}")
-    with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.set_grad_enabled(grad):
+    try:
+        fields, times = _loops(engine, ids, lens, live, chunk=chunk, t_max=t_max, samp=samp,
+                               eos_token_id=eos_token_id, pruner=pruner, group_size=group_size, forced=forced,
+                               forced_len=forced_len, chunk_size=chunk_size, grad=grad, bar=bar)
+        info = _engine_info(engine)
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # the loops' frames hold pool tensors: drop them
+        raise
+    finally:
+        engine.close()  # the pool, graphs and plans go now, on every path (no collector needed)
+        del engine  # a traceback keeps this frame: it must not keep the engine either
+        bar.close()
+    out = blank_fields(b_all, t_max, samp.k, prompt_lengths=torch.zeros(b_all, dtype=torch.long))
+    for name, value in fields.items():
+        if name == "finish_reason":
+            reasons = list(out[name])
+            for i, r in zip(live.tolist(), value):
+                reasons[i] = r
+            out[name] = tuple(reasons)
+        else:
+            out[name] = out[name].index_put((live,), value.cpu())
+    out["prompt_lengths"] = out["prompt_lengths"].index_put((live,), lens)
+    out["peak_kv_bytes"] = info.pop("peak_kv_bytes")
+    return RolloutBatch(**out, meta=_meta(model, policy, **base, **times, **info))
+
+
+def _loops(engine, ids, lens, live, *, chunk, t_max, samp, eos_token_id, pruner, group_size, forced,
+           forced_len, chunk_size, grad, bar) -> tuple[dict, dict]:
+    """Prefill, then the decode or teacher-forcing loop; the fields and the wall times."""
+    device = engine.device
+    with sparse_attention(engine.model, ATTN_NAME), active_cache(engine.cache), torch.set_grad_enabled(grad):
         t0 = time.perf_counter()
         logits = prefill(engine, ids, lens, chunk)
         _sync(device)
@@ -110,23 +142,15 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
                                  chunk=chunk_size, samp=samp, bar=bar)
         _sync(device)
         t2 = time.perf_counter()
-    bar.close()
-    out = blank_fields(b_all, t_max, samp.k, prompt_lengths=torch.zeros(b_all, dtype=torch.long))
-    for name, value in fields.items():
-        if name == "finish_reason":
-            reasons = list(out[name])
-            for i, r in zip(live.tolist(), value):
-                reasons[i] = r
-            out[name] = tuple(reasons)
-        else:
-            out[name] = out[name].index_put((live,), value.cpu())
-    out["prompt_lengths"] = out["prompt_lengths"].index_put((live,), lens)
-    out["peak_kv_bytes"] = engine.peak_slots * engine.pool.slot_bytes()
-    return RolloutBatch(**out, meta=_meta(model, policy, **base, prefill_s=t1 - t0, decode_s=t2 - t1,
-                                          kv_pool_bytes=engine.pool.allocated_bytes(),
-                                          cuda_graph=engine.graphs.status if engine.graphs else "off",
-                                          graph_captures=engine.graphs.captures if engine.graphs else 0,
-                                          capture_s=engine.graphs.capture_s if engine.graphs else 0.0))
+    return fields, {"prefill_s": t1 - t0, "decode_s": t2 - t1}
+
+
+def _engine_info(engine) -> dict:
+    """What ``meta`` records about the engine (read before it is closed)."""
+    g = engine.graphs
+    return {"peak_kv_bytes": engine.peak_slots * engine.pool.slot_bytes(),
+            "kv_pool_bytes": engine.pool.allocated_bytes(), "cuda_graph": g.status if g else "off",
+            "graph_captures": g.captures if g else 0, "capture_s": g.capture_s if g else 0.0}
 
 
 def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -193,9 +217,11 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
                              f"got {pruner.window!r}")
     if cuda_graph not in (True, False):
         raise ValueError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
-    if cuda_graph and (next(model.parameters()).device.type != "cuda" or pruner is not None):
-        raise ValueError("cuda_graph: needs the model on a CUDA device and no pruner (the pruner reads "
-                         "hidden states the captured step does not return)")
+    if cuda_graph and pruner is not None:
+        raise ValueError("cuda_graph: needs no pruner (the pruner reads hidden states the captured step "
+                         "does not return), got a pruner with cuda_graph=True")
+    if cuda_graph:
+        graphs.check_graph_device(next(model.parameters()).device)
     ids, lens = _prompts(model, input_ids, attention_mask)
     if pruner is not None and bool((lens == 0).any()):
         raise ValueError("attention_mask: every row needs a prompt token when a pruner keeps groups")
