@@ -85,6 +85,8 @@ class Engine:
         self.peak_slots = 0  # max over forwards of rows x slots read
         self.keep_cap = self._keep_cap() if selects else 0
         self.rows = torch.arange(batch) if rows is None else rows  # the caller's row of each engine row
+        self.kept_events: list | None = None  # set to [] to record every compression's kept sets
+        self.forced_keep: dict | None = None  # {(row, context): positions [L, H, K]}: replay these
         self.graphs = None
         if cuda_graph:
             from .graphs import DecodeGraphs
@@ -193,8 +195,25 @@ class Engine:
         qv = None
         if w and bool((self.ctx < w).any()):  # a row that has not seen a full window yet
             qv = (torch.arange(w) >= w - self.ctx.clamp(max=w)[:, None]).to(self.device)
-        self.cache.compress(eff, self.count, qv)
+        forced = None if self.forced_keep is None else self._forced(due)
+        kept = self.cache.compress(eff, self.count, qv, forced=forced, due=self._dev(due),
+                                   record=self.kept_events is not None)
+        if kept is not None:  # the due rows' kept positions, keyed by (caller's row, context)
+            self.kept_events.append((self.rows[due], self.ctx[due], kept[self._dev(due.nonzero().squeeze(1))]))
         self.count = torch.minimum(self.count, eff)
+
+    def _forced(self, due: torch.Tensor) -> torch.Tensor:
+        """The recorded kept positions of the due rows at their context (``[B, L, H, K]``)."""
+        table = self.forced_keep
+        rows = []
+        for r, c, d in zip(self.rows.tolist(), self.ctx.tolist(), due.tolist()):
+            if d and (r, c) not in table:
+                raise ValueError(f"keep_sets: no kept set recorded for row {r} at context length {c} (the "
+                                 "replay must use the decode's prompts, tokens, policy, budget and prefill_chunk)")
+            rows.append(table[(r, c)] if d else None)
+        shape = next(t for t in rows if t is not None).shape
+        blank = torch.full(shape, -1, dtype=torch.long)
+        return self._dev(torch.stack([blank if t is None else t for t in rows]))
 
     def select_rows(self, keep: torch.Tensor) -> torch.Tensor:
         """Keep the rows where ``keep`` (CPU bool ``[B]``) is True; returns their indices."""
