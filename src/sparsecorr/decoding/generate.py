@@ -286,7 +286,8 @@ def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, res
     at every compression instead of recomputing them, so the replay differs from the decode
     only by numerics (an eviction policy's top-k flips near-tied scores between a bf16 decode and
     a float32 replay); ``record_keep`` records the replay's own, for
-    `KeptSets.agreement`. Like ``generate``, the call holds nothing after it returns.
+    `KeptSets.agreement`. Like ``generate``, the call holds nothing after it returns (with
+    ``grad=True``, only what autograd saved for the backward of the returned log-probs).
 
     Shapes:
         input_ids, attention_mask: ``[B, P]``; response_ids, response_mask: ``[B, T]``.
