@@ -13,6 +13,12 @@ records what actually ran: the backend ``"auto"`` resolved to (``meta["backend"]
 status (``meta["cuda_graph"]``: "on", "off" or "failed: ...", the last an eager fallback, flagged
 ``graph_fallback``), the captures and their seconds.
 
+Every cell starts from a clean memory state (``gc.collect()``, ``empty_cache()``,
+``reset_peak_memory_stats()``), so each peak is its own; sparse rows also give their peak above
+the weights as a fraction of Dense's ("peak vs Dense"), and every cell records the memory it left
+allocated after it returned (``held_mib``: 0 since issue 34). The teacher-forcing reference
+computes the logits of the response positions only (``logits_to_keep``), one row at a time.
+
 Targets (issue #17): dense within 1.1x of HF; eviction and BlockTopK >= 2x HF at 32k; a sparse
 policy's peak KV <= (budget + buffer) / context of dense's; 8 x 32k runs for every policy;
 teacher forcing within 3x of one full forward pass.
@@ -24,6 +30,7 @@ Run: ``python benchmarks/bench_decoding_gpu.py`` (GPU; ``--out results.jsonl`` k
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -89,11 +96,25 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+HELD: dict[str, float] = {}  # MiB the last measured call left allocated after it returned
+
+
+def clean(device) -> int:
+    """A clean memory state (what the previous cell left is collected and cached blocks are
+    released; the peak is reset); returns the bytes allocated now."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
 def measured(fn, device):
-    """(result, peak bytes) of ``fn()``; result "OOM" when the device runs out of memory."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    """(result, peak bytes) of ``fn()`` from a clean memory state; result "OOM" when the device
+    runs out of memory. ``HELD["mib"]``: what the call left allocated after it returned (before
+    any collection)."""
+    before = clean(device)
     try:
         out = fn()
     except torch.OutOfMemoryError:
@@ -102,6 +123,7 @@ def measured(fn, device):
         out = f"error: {type(exc).__name__}: {str(exc)[:120]}"
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    HELD["mib"] = (torch.cuda.memory_allocated(device) - before) / 2**20 if device.type == "cuda" else 0.0
     return out, peak
 
 
@@ -119,16 +141,19 @@ def cell(model, shape, b, ctx, args, device, log):
     ids = torch.randint(5, SHAPES[shape]["vocab_size"], (b, ctx), generator=gen).to(device)
     hf, peak = measured(lambda: hf_per_token(model, ids, args.new, device), device)
     log(shape, b, ctx, "HF generate (sdpa)", hf, peak, None, None)
-    dense_t = None
+    dense_t = dense_peak = None
     for name, pol in [("Dense", Dense()), *policies(args.budget, args.smoke)]:
         def run(pol=pol, budget=None if name == "Dense" else args.budget):
             return generate(model, ids, policy=pol, budget=budget,
                             max_new_tokens=args.new, temperature=0, logprobs_topk=0, backend=args.backend,
                             prefill_chunk=args.prefill_chunk, cuda_graph=args.cuda_graph)
         out, peak = measured(run, device)
+        held = HELD["mib"]
         t = out if isinstance(out, str) else decode_seconds_per_token(out.meta, args.new)
         dense_t = t if name == "Dense" else dense_t
-        log(shape, b, ctx, name, t, peak, hf, dense_t, out)
+        if name == "Dense" and not isinstance(out, str):
+            dense_peak = peak
+        log(shape, b, ctx, name, t, peak, hf, dense_t, out, dense_peak=dense_peak, held=held)
 
 
 def decode_seconds_per_token(meta: dict, new: int) -> float:
@@ -154,8 +179,8 @@ def teacher_forcing(model, shape, b, ctx, args, device, log_tf):
         t0 = time.perf_counter()
         with torch.no_grad():
             outs = []
-            for r in range(b):  # row by row: the logits of one row at a time
-                logits = model(full[r:r + 1]).logits[:, ctx - n - 1:-1].float()
+            for r in range(b):  # row by row, the logits of the response positions only
+                logits = model(full[r:r + 1], logits_to_keep=n + 1).logits[:, :-1].float()
                 outs.append(logits.log_softmax(-1).gather(-1, resp[r:r + 1, :, None])[..., 0])
         sync(device)
         return time.perf_counter() - t0, torch.cat(outs)
@@ -188,6 +213,7 @@ class Report:
     def __init__(self, gpu: str, out: str | None, *, cuda_graph: bool = False) -> None:
         self.gpu, self.out, self.rows, self.tf_rows = gpu, out, [], []
         self.cuda_graph = cuda_graph
+        self.weights = 0  # bytes allocated by the model (peaks are compared above it)
 
     def _record(self, rec: dict) -> None:
         print(json.dumps(rec), flush=True)
@@ -199,8 +225,11 @@ class Report:
     def _ms(t) -> str:
         return t if isinstance(t, str) else f"{t * 1e3:.1f}"
 
-    def decode(self, shape, b, ctx, name, t, peak, hf, dense, out=None) -> None:
+    def decode(self, shape, b, ctx, name, t, peak, hf, dense, out=None, *, dense_peak=None, held=0.0) -> None:
         ok = not isinstance(t, str)
+        above = peak - self.weights
+        vs_dense_peak = (above / (dense_peak - self.weights) if ok and name != "Dense" and dense_peak
+                         and dense_peak > self.weights else None)
         vs_hf = f"{hf / t:.2f}x" if ok and isinstance(hf, float) else ""
         vs_dense = f"{dense / t:.2f}x" if ok and isinstance(dense, float) else ""
         kv = pool = backend = graph = ""
@@ -210,10 +239,12 @@ class Report:
             extra = ran(out.meta, asked_graph=self.cuda_graph)
             backend = extra["backend"]
             graph = extra["cuda_graph"] + (" (EAGER FALLBACK)" if extra["graph_fallback"] else "")
-        self.rows.append([shape, b, ctx, name, self._ms(t), vs_hf, vs_dense, f"{peak / 2**30:.2f}", kv, pool,
+        self.rows.append([shape, b, ctx, name, self._ms(t), vs_hf, vs_dense, f"{peak / 2**30:.2f}",
+                          "" if vs_dense_peak is None else f"{vs_dense_peak:.3f}", kv, pool, f"{held:.1f}",
                           backend, graph])
         self._record({"model": shape, "batch": b, "context": ctx, "decoder": name, "s_per_token": t,
-                      "peak_bytes": peak, "kv_peak_mib": kv, "pool_mib": pool, **extra})
+                      "peak_bytes": peak, "peak_above_weights_bytes": above, "peak_vs_dense": vs_dense_peak,
+                      "held_mib": held, "kv_peak_mib": kv, "pool_mib": pool, **extra})
 
     def tf(self, shape, b, ctx, n, name, t, peak, ref) -> None:
         ratio = f"{t / ref[0]:.2f}x" if ref and not isinstance(t, str) else ""
@@ -224,7 +255,7 @@ class Report:
 
     def print_tables(self) -> None:
         print(table(["model", "B", "context", "decoder", "ms / token", "vs HF", "vs our Dense", "peak GiB",
-                     "KV MiB", "pool MiB", "backend", "CUDA graph"], self.rows))
+                     "peak vs Dense", "KV MiB", "pool MiB", "held MiB", "backend", "CUDA graph"], self.rows))
         if self.tf_rows:
             print("\nteacher forcing vs one full forward pass (same prompt + response)\n")
             print(table(["model", "B", "context", "response", "path", "seconds", "vs full forward",
@@ -257,7 +288,7 @@ def _args(argv):
 
 def main(argv=None) -> None:
     args = _args(argv)
-    setup(2)
+    setup(1 if args.smoke else 2)  # tiny CPU matrices: threads only contend
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     report = Report(torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", args.out,
@@ -265,6 +296,7 @@ def main(argv=None) -> None:
     print(f"# bench_decoding_gpu ({machine()}, device {report.gpu})")
     for shape in args.models.split(","):
         model = build(shape, device, dtype)
+        report.weights = clean(device)
         warm = torch.randint(5, 100, (2, 32), device=device)  # kernels, allocator, lazy imports
         hf_per_token(model, warm, 3, device)
         generate(model, warm, policy=RKV(buffer=8), budget=16, max_new_tokens=3, backend=args.backend)

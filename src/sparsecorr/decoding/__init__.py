@@ -7,13 +7,15 @@
 
 from .generate import generate, teacher_forced_logprobs
 from .policies import RKV, BlockTopK, Dense, KVPolicy, SnapKV, StreamingLLM, get_policy
-from .rollout import RolloutBatch
+from .rollout import KeptAgreement, KeptSets, RolloutBatch
 
 __all__ = [
     "RKV",
     "BlockTopK",
     "Dense",
     "KVPolicy",
+    "KeptAgreement",
+    "KeptSets",
     "RolloutBatch",
     "SnapKV",
     "StreamingLLM",

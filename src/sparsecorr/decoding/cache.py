@@ -21,10 +21,10 @@ import torch
 
 from .backends import AttentionBackend
 from .hf import CacheBase, register_attention
-from .policies import KVPolicy, compress, page_means, pages_to_mask, select_pages
+from .policies import KeepSet, KVPolicy, compress, page_means, pages_to_mask, select_pages
 from .pool import KVPool
 
-__all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active_cache"]
+__all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active_cache", "forced_keep"]
 
 ATTN_NAME = "sparsecorr"
 _ACTIVE: contextvars.ContextVar[SparseKVCache | None] = contextvars.ContextVar("sparsecorr_cache", default=None)
@@ -123,11 +123,19 @@ class SparseKVCache(CacheBase):
         k_sel, v_sel = pool.k[layer].gather(2, idx), pool.v[layer].gather(2, idx)
         return self.backend.attend(query, k_sel, v_sel, allowed[:, :, None, :], scaling=scaling)
 
-    def compress(self, budgets: torch.Tensor, counts: torch.Tensor, query_valid: torch.Tensor | None) -> None:
+    def compress(self, budgets: torch.Tensor, counts: torch.Tensor, query_valid: torch.Tensor | None, *,
+                 forced: torch.Tensor | None = None, due: torch.Tensor | None = None,
+                 record: bool = False) -> torch.Tensor | None:
         """Evict every layer down to ``budgets`` (host ``[B]``; a row's own count = keep all).
 
+        ``forced`` replaces the policy's choice on the ``due`` rows by given kept positions (a
+        replay of recorded kept sets); with ``record`` the kept true positions of every layer
+        are returned (-1 padded).
+
         Shapes:
-            budgets, counts ``[B]`` CPU long (valid slots per row before); query_valid ``[B, W]``.
+            budgets, counts ``[B]`` CPU long (valid slots per row before); query_valid ``[B, W]``;
+            forced ``[B, L, H_kv, K']`` (device, -1 padded), due ``[B]`` (device bool) ->
+            ``[B, L, H_kv, K]`` or None.
         """
         pool = self.pool
         s = int(counts.max())
@@ -135,12 +143,33 @@ class SparseKVCache(CacheBase):
         b, h = pool.k[0].shape[:2]
         valid = (torch.arange(s, device=dev) < counts.to(dev, non_blocking=True)[:, None])[:, None, :].expand(b, h, s)
         top, budgets = int(budgets.max()), budgets.to(dev, non_blocking=True)  # once, not per layer
+        kept = []
         for i in range(self.num_layers):
-            keys = pool.k[i][:, :, :s].detach()
-            q = pool.win[i] if pool.win is not None else keys.new_zeros(b, keys.shape[1], 0, keys.shape[-1])
-            keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=pool.pos[i][:, :, :s],
-                            budget=budgets, query_valid=query_valid, max_budget=top)
+            keys, positions = pool.k[i][:, :, :s].detach(), pool.pos[i][:, :, :s]
+            if forced is None:
+                q = pool.win[i] if pool.win is not None else keys.new_zeros(b, keys.shape[1], 0, keys.shape[-1])
+                keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=positions,
+                                budget=budgets, query_valid=query_valid, max_budget=top)
+            else:
+                keep = forced_keep(positions, valid, forced[:, i], due, k=min(top, s))
+            if record:
+                kept.append(torch.where(keep.valid, positions.gather(-1, keep.index), -1))
             pool.compact(i, keep.index)
+        return torch.stack(kept, 1) if record else None
+
+
+def forced_keep(positions: torch.Tensor, valid: torch.Tensor, want: torch.Tensor, due: torch.Tensor, *,
+                k: int) -> KeepSet:
+    """The kept set that keeps exactly the positions ``want`` on the ``due`` rows (every valid
+    slot elsewhere), sorted by position as `compress` sorts it.
+
+    Shapes:
+        positions, valid ``[B, H, S]``; want ``[B, H, K']`` (-1 padded); due ``[B]`` -> ``K = k``.
+    """
+    hit = (positions[..., None] == want[:, :, None, :]).any(-1) & valid
+    kept = torch.where(due[:, None, None], hit, valid)
+    order = torch.where(kept, positions, torch.iinfo(torch.long).max).argsort(dim=-1)[..., :k]
+    return KeepSet(index=order, valid=kept.gather(-1, order))
 
 
 @contextlib.contextmanager

@@ -55,10 +55,17 @@ class Engine:
         capacity: slots per row to allocate (see `pool_capacity`).
         grad: autograd on (every pool update out of place).
         cuda_graph: replay single-token decode steps as CUDA graphs.
+        rows: the caller's row index of each engine row (CPU long ``[batch]``; default
+            ``arange``), kept through `select_rows` (kept-set records are keyed by it).
+
+    The engine owns the pool, the graphs and the backend's per-call state; `close` drops them
+    all (``generate`` calls it in a ``finally``), and no reference cycle runs through it, so
+    dropping the engine frees them at once.
     """
 
     def __init__(self, model: PreTrainedModel, *, policy: KVPolicy, backend: AttentionBackend, table: torch.Tensor,
-                 batch: int, capacity: int, grad: bool, cuda_graph: bool = False) -> None:
+                 batch: int, capacity: int, grad: bool, cuda_graph: bool = False,
+                 rows: torch.Tensor | None = None) -> None:
         self.spec = spec = model_spec(model)  # refuses attention variants it would get wrong
         self.model, self.policy, self.table = model, policy, table
         self.n_layers, self.heads_q, self.heads_kv = spec.layers, spec.heads_q, spec.heads_kv
@@ -77,11 +84,14 @@ class Engine:
         self.ctx = torch.zeros(batch, dtype=torch.long)  # tokens fed per row (host)
         self.peak_slots = 0  # max over forwards of rows x slots read
         self.keep_cap = self._keep_cap() if selects else 0
+        self.rows = torch.arange(batch) if rows is None else rows  # the caller's row of each engine row
+        self.kept_events: list | None = None  # set to [] to record every compression's kept sets
+        self.forced_keep: dict | None = None  # {(row, context): positions [L, H, K]}: replay these
         self.graphs = None
         if cuda_graph:
             from .graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs()  # no reference back to the engine: no cycle to collect
 
     def _keep_cap(self) -> int:
         """Most pages a sparse layer keeps in this run (a static size for CUDA graphs)."""
@@ -159,7 +169,7 @@ class Engine:
         """
         out = None
         if self.graphs is not None and self.graphs.status == "on" and decode and ids.shape[1] == 1 and not hidden:
-            out = self.graphs.run(ids)  # None if the capture failed: eager below
+            out = self.graphs.run(self, ids)  # None if the capture failed: eager below
         if out is None:
             st = self._step(ids.shape[1], real, decode)
             if st.paged:
@@ -185,15 +195,45 @@ class Engine:
         qv = None
         if w and bool((self.ctx < w).any()):  # a row that has not seen a full window yet
             qv = (torch.arange(w) >= w - self.ctx.clamp(max=w)[:, None]).to(self.device)
-        self.cache.compress(eff, self.count, qv)
+        forced = None if self.forced_keep is None else self._forced(due)
+        kept = self.cache.compress(eff, self.count, qv, forced=forced, due=self._dev(due),
+                                   record=self.kept_events is not None)
+        if kept is not None:  # the due rows' kept positions, keyed by (caller's row, context)
+            self.kept_events.append((self.rows[due], self.ctx[due], kept[self._dev(due.nonzero().squeeze(1))]))
         self.count = torch.minimum(self.count, eff)
+
+    def _forced(self, due: torch.Tensor) -> torch.Tensor:
+        """The recorded kept positions of the due rows at their context (``[B, L, H, K]``)."""
+        table = self.forced_keep
+        rows = []
+        for r, c, d in zip(self.rows.tolist(), self.ctx.tolist(), due.tolist()):
+            if d and (r, c) not in table:
+                raise ValueError(f"keep_sets: no kept set recorded for row {r} at context length {c} (the "
+                                 "replay must use the decode's prompts, tokens, policy, budget and prefill_chunk)")
+            rows.append(table[(r, c)] if d else None)
+        shape = next(t for t in rows if t is not None).shape
+        blank = torch.full(shape, -1, dtype=torch.long)
+        return self._dev(torch.stack([blank if t is None else t for t in rows]))
 
     def select_rows(self, keep: torch.Tensor) -> torch.Tensor:
         """Keep the rows where ``keep`` (CPU bool ``[B]``) is True; returns their indices."""
         rows = keep.nonzero().squeeze(1)
         self.pool.select_rows(rows.to(self.device))
-        self.count, self.ctx = self.count[rows], self.ctx[rows]
+        self.count, self.ctx, self.rows = self.count[rows], self.ctx[rows], self.rows[rows]
         return rows
+
+    def close(self) -> None:
+        """Drop the graphs, the pool and the cache (with the backend's plans and buffers), so
+        nothing this call allocated outlives it, even while a traceback still holds the engine."""
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = None
+        if self.cache is not None:
+            self.cache.step = None
+            reset = getattr(self.cache.backend, "reset_graph", None)
+            if reset is not None:
+                reset()
+        self.cache = self.pool = None
 
     def attended(self, q_len: int) -> torch.Tensor:
         """Mean KV slots attended per layer and KV head by each of the last fed queries.

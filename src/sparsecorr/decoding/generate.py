@@ -13,18 +13,20 @@ Rows that finish (EOS) or are pruned leave the batch, freeing their compute and 
 from __future__ import annotations
 
 import time
+import traceback
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
 
+from . import graphs
 from .backends import get_backend
 from .cache import ATTN_NAME, active_cache
 from .engine import Engine, pool_capacity
 from .hf import check_transformers, model_spec, sparse_attention
 from .loops import Sampling, decode_loop, forced_loop, prefill
 from .policies import KVPolicy
-from .rollout import RolloutBatch, blank_fields
+from .rollout import KeptSets, RolloutBatch, blank_fields, kept_sets
 from .validate import (
     budget_table,
     check_mask,
@@ -74,7 +76,7 @@ def _sync(device: torch.device) -> None:
 
 def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, progress, prefill_chunk,
          eos_token_id=None, pruner=None, group_size=None, forced=None, forced_len=None, chunk_size=None,
-         grad=False, cuda_graph=False, topk_requested=None) -> RolloutBatch:
+         grad=False, cuda_graph=False, topk_requested=None, record_keep=False, keep_sets=None) -> RolloutBatch:
     """Decode (or replay ``forced``) the non-empty rows; empty prompts get blank rows."""
     check_transformers()
     model_spec(model)  # refuses an attention variant up front, even for an empty batch
@@ -95,9 +97,41 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     chunk = prefill_chunk or int(lens.max())
     engine = Engine(model, policy=policy, backend=back, table=table, batch=live.numel(),
                     capacity=pool_capacity(policy, table, longest=longest, chunk=chunk), grad=grad,
-                    cuda_graph=cuda_graph)
+                    cuda_graph=cuda_graph, rows=live)
+    engine.kept_events = [] if record_keep else None
+    engine.forced_keep = None if keep_sets is None else keep_sets.lookup()
     bar = tqdm(total=t_max, disable=not progress, desc=f"decode {policy.name}")
-    with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.set_grad_enabled(grad):
+    try:
+        fields, times = _loops(engine, ids, lens, live, chunk=chunk, t_max=t_max, samp=samp,
+                               eos_token_id=eos_token_id, pruner=pruner, group_size=group_size, forced=forced,
+                               forced_len=forced_len, chunk_size=chunk_size, grad=grad, bar=bar)
+        info = _engine_info(engine)
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # the loops' frames hold pool tensors: drop them
+        raise
+    finally:
+        engine.close()  # the pool, graphs and plans go now, on every path (no collector needed)
+        del engine  # a traceback keeps this frame: it must not keep the engine either
+        bar.close()
+    out = blank_fields(b_all, t_max, samp.k, prompt_lengths=torch.zeros(b_all, dtype=torch.long))
+    for name, value in fields.items():
+        if name == "finish_reason":
+            reasons = list(out[name])
+            for i, r in zip(live.tolist(), value):
+                reasons[i] = r
+            out[name] = tuple(reasons)
+        else:
+            out[name] = out[name].index_put((live,), value.cpu())
+    out["prompt_lengths"] = out["prompt_lengths"].index_put((live,), lens)
+    out["peak_kv_bytes"] = info.pop("peak_kv_bytes")
+    return RolloutBatch(**out, kept_sets=info.pop("kept_sets"), meta=_meta(model, policy, **base, **times, **info))
+
+
+def _loops(engine, ids, lens, live, *, chunk, t_max, samp, eos_token_id, pruner, group_size, forced,
+           forced_len, chunk_size, grad, bar) -> tuple[dict, dict]:
+    """Prefill, then the decode or teacher-forcing loop; the fields and the wall times."""
+    device = engine.device
+    with sparse_attention(engine.model, ATTN_NAME), active_cache(engine.cache), torch.set_grad_enabled(grad):
         t0 = time.perf_counter()
         logits = prefill(engine, ids, lens, chunk)
         _sync(device)
@@ -110,23 +144,17 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
                                  chunk=chunk_size, samp=samp, bar=bar)
         _sync(device)
         t2 = time.perf_counter()
-    bar.close()
-    out = blank_fields(b_all, t_max, samp.k, prompt_lengths=torch.zeros(b_all, dtype=torch.long))
-    for name, value in fields.items():
-        if name == "finish_reason":
-            reasons = list(out[name])
-            for i, r in zip(live.tolist(), value):
-                reasons[i] = r
-            out[name] = tuple(reasons)
-        else:
-            out[name] = out[name].index_put((live,), value.cpu())
-    out["prompt_lengths"] = out["prompt_lengths"].index_put((live,), lens)
-    out["peak_kv_bytes"] = engine.peak_slots * engine.pool.slot_bytes()
-    return RolloutBatch(**out, meta=_meta(model, policy, **base, prefill_s=t1 - t0, decode_s=t2 - t1,
-                                          kv_pool_bytes=engine.pool.allocated_bytes(),
-                                          cuda_graph=engine.graphs.status if engine.graphs else "off",
-                                          graph_captures=engine.graphs.captures if engine.graphs else 0,
-                                          capture_s=engine.graphs.capture_s if engine.graphs else 0.0))
+    return fields, {"prefill_s": t1 - t0, "decode_s": t2 - t1}
+
+
+def _engine_info(engine) -> dict:
+    """What ``meta`` records about the engine (read before it is closed)."""
+    g = engine.graphs
+    return {"peak_kv_bytes": engine.peak_slots * engine.pool.slot_bytes(),
+            "kv_pool_bytes": engine.pool.allocated_bytes(), "cuda_graph": g.status if g else "off",
+            "graph_captures": g.captures if g else 0, "capture_s": g.capture_s if g else 0.0,
+            "kept_sets": None if engine.kept_events is None else
+            kept_sets(engine.kept_events, layers=engine.n_layers, heads=engine.heads_kv)}
 
 
 def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -135,7 +163,8 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
              logprobs_topk: int = 20, eos_token_id: int | list[int] | None = None,
              backend: str = "auto", generator: torch.Generator | None = None, progress: bool = False,
              pruner: Any | None = None, group_size: int | None = None,
-             prefill_chunk: int | None = 512, cuda_graph: bool = False) -> RolloutBatch:
+             prefill_chunk: int | None = 512, cuda_graph: bool = False,
+             record_keep: bool = False) -> RolloutBatch:
     """Sample responses with a sparse KV policy and record the sampler's log-probs.
 
     Args:
@@ -169,6 +198,14 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
         cuda_graph: replay each single-token decode step as a CUDA graph (CUDA only, no pruner;
             see [`sparsecorr.decoding.graphs`][sparsecorr.decoding.graphs]). Falls back to eager
             steps, with a warning, if capture fails; ``meta["cuda_graph"]`` records which ran.
+        record_keep: record the kept set of every compression event on
+            ``RolloutBatch.kept_sets`` (eviction policies; a debugging and parity tool: one
+            device-to-host copy of the kept positions per event). ``teacher_forced_logprobs(...,
+            keep_sets=batch.kept_sets)`` replays them.
+
+    The call holds nothing after it returns: the KV pool, the captured graphs and the backend's
+    plans are released when it returns or raises (no reference cycle, so no wait for Python's
+    cycle collector); the returned batch holds host tensors only.
 
     Returns:
         A [`RolloutBatch`][sparsecorr.decoding.RolloutBatch]. ``B = 0`` gives an empty batch;
@@ -193,18 +230,29 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
                              f"got {pruner.window!r}")
     if cuda_graph not in (True, False):
         raise ValueError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
-    if cuda_graph and (next(model.parameters()).device.type != "cuda" or pruner is not None):
-        raise ValueError("cuda_graph: needs the model on a CUDA device and no pruner (the pruner reads "
-                         "hidden states the captured step does not return)")
+    if cuda_graph and pruner is not None:
+        raise ValueError("cuda_graph: needs no pruner (the pruner reads hidden states the captured step "
+                         "does not return), got a pruner with cuda_graph=True")
+    if cuda_graph:
+        graphs.check_graph_device(next(model.parameters()).device)
     ids, lens = _prompts(model, input_ids, attention_mask)
     if pruner is not None and bool((lens == 0).any()):
         raise ValueError("attention_mask: every row needs a prompt token when a pruner keeps groups")
+    _check_keep_args(record_keep, None)
     samp = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, k=clamp_topk(model, logprobs_topk),
                     generator=generator)
     return _run(model, ids, lens, policy=policy, budget=budget, max_new_tokens=max_new_tokens, samp=samp,
                 backend=backend, progress=progress, prefill_chunk=prefill_chunk,
                 eos_token_id=eos_token_id, pruner=pruner, group_size=group_size, cuda_graph=cuda_graph,
-                topk_requested=logprobs_topk)
+                topk_requested=logprobs_topk, record_keep=record_keep)
+
+
+def _check_keep_args(record_keep: object, keep_sets: object) -> None:
+    if not isinstance(record_keep, bool):
+        raise ValueError(f"record_keep: expected a bool, got {record_keep!r}")
+    if keep_sets is not None and not isinstance(keep_sets, KeptSets):
+        raise ValueError(f"keep_sets: expected a KeptSets (RolloutBatch.kept_sets of a generate call with "
+                         f"record_keep=True) or None, got {type(keep_sets).__name__}")
 
 
 def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, response_ids: torch.Tensor, *,
@@ -214,7 +262,8 @@ def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, res
                             top_k: int | None = None, top_p: float | None = None,
                             logprobs_topk: int = 20, backend: str = "auto",
                             progress: bool = False, grad: bool = False,
-                            prefill_chunk: int | None = 512, chunk_size: int = 256) -> RolloutBatch:
+                            prefill_chunk: int | None = 512, chunk_size: int = 256,
+                            record_keep: bool = False, keep_sets: KeptSets | None = None) -> RolloutBatch:
     """The sparse policy's log-probs (and top-k) of given response tokens: for the tokens
     ``generate`` sampled (same policy, budget, sampling settings and ``prefill_chunk``), it
     reproduces its ``rollout_logp``.
@@ -233,10 +282,18 @@ def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, res
 
     ``logprobs_topk`` above the vocabulary size is clamped to it, as in ``generate``.
 
+    ``keep_sets`` (``generate(..., record_keep=True).kept_sets``) forces the decode's kept sets
+    at every compression instead of recomputing them, so the replay differs from the decode
+    only by numerics (an eviction policy's top-k flips near-tied scores between a bf16 decode and
+    a float32 replay); ``record_keep`` records the replay's own, for
+    `KeptSets.agreement`. Like ``generate``, the call holds nothing after it returns (with
+    ``grad=True``, only what autograd saved for the backward of the returned log-probs).
+
     Shapes:
         input_ids, attention_mask: ``[B, P]``; response_ids, response_mask: ``[B, T]``.
     """
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    _check_keep_args(record_keep, keep_sets)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
     b = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None
@@ -258,4 +315,5 @@ def teacher_forced_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, res
     # a row with no response token to score is skipped (blank row, finish reason "empty")
     return _run(model, ids, torch.where(forced_len > 0, lens, 0), policy=policy, budget=budget, max_new_tokens=t_max, samp=samp, backend=backend,
                 progress=progress, prefill_chunk=prefill_chunk, forced=forced, forced_len=forced_len,
-                chunk_size=chunk_size, grad=grad, topk_requested=logprobs_topk)
+                chunk_size=chunk_size, grad=grad, topk_requested=logprobs_topk, record_keep=record_keep,
+                keep_sets=keep_sets)

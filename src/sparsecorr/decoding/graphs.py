@@ -14,10 +14,19 @@ that finish stay as masked dummies until the live rows fit the next smaller powe
 Capture runs one eager warm-up step on a side stream first (it writes the step's own K/V, which
 the replay rewrites, and shifts the observation windows, which are restored). If capture fails,
 the engine warns once and stays eager; ``RolloutBatch.meta["cuda_graph"]`` says which happened.
+
+**Ownership.** The warm-up and the capture run on one stream per device (`capture_stream`),
+created once and reused by every call: PyTorch keeps one cuBLAS workspace per (handle, stream)
+for the life of the process (32 MiB on Hopper), so a new stream per capture would leave 32 MiB
+behind every ``generate`` call. Nothing here points back at the engine: `DecodeGraphs` takes it
+as an argument, and the captured step closes over the model, the cache and its static buffers
+only, so the graphs, the pool and the FlashInfer plans are freed by reference counting the
+moment the engine is dropped (no cycle for Python's collector to find).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from dataclasses import dataclass
@@ -28,16 +37,36 @@ import torch
 from .cache import Step
 from .hf import forward
 
-__all__ = ["CudaGraphRunner", "DecodeGraphs", "EagerRunner"]
+__all__ = ["CudaGraphRunner", "DecodeGraphs", "EagerRunner", "capture_stream", "check_graph_device"]
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The warm-up / capture stream of ``device``: created on first use, then reused by every
+    capture in the process (one cuBLAS workspace for all of them, not one per call)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def check_graph_device(device: torch.device) -> None:
+    """Raise ``ValueError`` unless CUDA graphs can be captured for a model on ``device``."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"cuda_graph: needs the model on a CUDA device, got {device}")
 
 
 class CudaGraphRunner:
-    """Warm up ``fn`` on a side stream, capture it, replay it (the output tensor is rewritten in
-    place by every replay). The warm-up's side effects on the observation windows are undone."""
+    """Warm up ``fn`` on the device's capture stream, capture it there, replay it (the output
+    tensor is rewritten in place by every replay). The warm-up's side effects on the observation
+    windows are undone. ``fn`` is not kept."""
 
-    def __init__(self, fn, *, pool, windows: list[torch.Tensor]) -> None:
+    def __init__(self, fn, *, pool, windows: list[torch.Tensor], device: torch.device) -> None:
         saved = [w.clone() for w in windows]
-        side = torch.cuda.Stream()
+        side = capture_stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()  # lazy initialisations (cuBLAS handles, FlashInfer modules) happen outside capture
@@ -45,8 +74,13 @@ class CudaGraphRunner:
         for w, s in zip(windows, saved):
             w.copy_(s)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, stream=side):
             self.out = fn()
+
+    @staticmethod
+    def new_pool():
+        """A private memory pool for this call's graphs (freed with them)."""
+        return torch.cuda.graph_pool_handle()
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
@@ -59,8 +93,21 @@ class EagerRunner:
     def __init__(self, fn, **_: object) -> None:
         self.fn = fn
 
+    @staticmethod
+    def new_pool():
+        return None
+
     def replay(self) -> torch.Tensor:
         return self.fn()
+
+
+def _graph_forward(model, cache, step: Step, ids: torch.Tensor) -> torch.Tensor:
+    """The captured decode forward: reads the whole pool, the row lengths in a mask built from
+    the static device counts. Closes over no engine (see the module's *Ownership*)."""
+    cap = cache.pool.capacity
+    step.mask = (torch.arange(cap, device=ids.device) <= step.counts[:, None])[:, None, None, :]
+    cache.step = step
+    return forward(model, input_ids=ids, position_ids=step.positions, cache=cache, logits_to_keep=1).logits[:, -1]
 
 
 @dataclass
@@ -74,17 +121,21 @@ class DecodeGraphs:
     """One captured decode forward per batch size met (bucketed by the decode loop), for an
     `sparsecorr.decoding.engine.Engine`."""
 
-    def __init__(self, engine, *, runner=None) -> None:
-        self.engine = engine
+    def __init__(self, *, runner=None) -> None:
         self.captured: dict[int, _Captured] = {}
         self.status = "on"
         self.captures = 0  # graphs captured (one per batch bucket met)
         self.capture_s = 0.0  # host seconds spent capturing (warm-up step included)
         self.runner = runner or CudaGraphRunner
-        self.pool = torch.cuda.graph_pool_handle() if self.runner is CudaGraphRunner else None
+        self.pool = getattr(self.runner, "new_pool", lambda: None)()
 
-    def _static_step(self, b: int) -> Step:
-        e = self.engine
+    def close(self) -> None:
+        """Drop the captured graphs (their private pool is freed with them)."""
+        self.captured = {}
+        self.pool = None
+
+    @staticmethod
+    def _static_step(e, b: int) -> Step:
         dev = e.device
         z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)  # noqa: E731
         select = e.policy.kind == "selection"
@@ -94,16 +145,8 @@ class DecodeGraphs:
                     budgets=z(b, 1) if select else None, keep_max=e.keep_cap if select else 0,
                     paged=bool(getattr(e.cache.backend, "paged", False)))
 
-    def _forward(self, cap_step: Step, ids: torch.Tensor):
-        e = self.engine
-        cap = e.pool.capacity
-        cap_step.mask = (torch.arange(cap, device=ids.device) <= cap_step.counts[:, None])[:, None, None, :]
-        e.cache.step = cap_step
-        return forward(e.model, input_ids=ids, position_ids=cap_step.positions, cache=e.cache,
-                       logits_to_keep=1).logits[:, -1]
-
-    def _load(self, c: _Captured, ids: torch.Tensor) -> None:
-        e = self.engine
+    @staticmethod
+    def _load(e, c: _Captured, ids: torch.Tensor) -> None:
         st = c.step
         nb = dict(non_blocking=True)
         c.ids.copy_(ids)
@@ -114,10 +157,9 @@ class DecodeGraphs:
             st.query_slots.copy_(e.count[:, None], **nb)
             st.budgets.copy_(e.budget_at(e.ctx[:, None] + 1), **nb)
 
-    def _capture(self, ids: torch.Tensor) -> _Captured:
+    def _capture(self, e, ids: torch.Tensor) -> _Captured:
         b = ids.shape[0]
-        e = self.engine
-        st = self._static_step(b)
+        st = self._static_step(e, b)
         if st.paged:  # FlashInfer wrappers with fixed buffers for this batch size
             e.cache.backend.enable_graph(batch=b, heads=e.heads_kv, pages_per_row=e.pool.pages_per_row,
                                          keep_cap=e.keep_cap, group=e.heads_q // e.heads_kv,
@@ -125,30 +167,31 @@ class DecodeGraphs:
             e._begin_paged_step()
         static_ids = torch.zeros_like(ids)
         c = _Captured(runner=None, step=st, ids=static_ids)
-        self._load(c, ids)
+        self._load(e, c, ids)
         t0 = time.perf_counter()
-        c.runner = self.runner(lambda: self._forward(st, static_ids), pool=self.pool,
-                               windows=e.pool.win or [])
+        self.captured = {}  # a smaller batch never comes back: free the older graph first
+        c.runner = self.runner(functools.partial(_graph_forward, e.model, e.cache, st, static_ids),
+                               pool=self.pool, windows=e.pool.win or [], device=e.device)
         self.capture_s += time.perf_counter() - t0  # torch.cuda.graph syncs on entry
         self.captures += 1
-        self.captured = {b: c}  # a smaller batch never comes back: free the older graph
+        self.captured = {b: c}
         return c
 
-    def run(self, ids: torch.Tensor):
-        """The step's output (``.logits [B, 1, V]``), from a graph replay; None if capture failed
-        (the caller then runs the step eagerly)."""
+    def run(self, engine, ids: torch.Tensor):
+        """The step's output (``.logits [B, 1, V]``) for ``engine``, from a graph replay; None if
+        capture failed (the caller then runs the step eagerly)."""
         b = ids.shape[0]
         try:
-            c = self.captured.get(b) or self._capture(ids)
+            c = self.captured.get(b) or self._capture(engine, ids)
         except Exception as exc:  # an op that cannot be captured: stay eager, say so
             warnings.warn(f"cuda_graph: capture failed, decoding eagerly ({type(exc).__name__}: {exc})",
                           RuntimeWarning, stacklevel=2)
             self.status = f"failed: {type(exc).__name__}"
             self.captured = {}
-            if hasattr(self.engine.cache.backend, "reset_graph"):  # eager kernels for the eager steps
-                self.engine.cache.backend.reset_graph()
+            if hasattr(engine.cache.backend, "reset_graph"):  # eager kernels for the eager steps
+                engine.cache.backend.reset_graph()
             return None
-        self._load(c, ids)
+        self._load(engine, c, ids)
         if c.step.paged:
-            self.engine._begin_paged_step()  # plan outside the graph, into its fixed buffers
+            engine._begin_paged_step()  # plan outside the graph, into its fixed buffers
         return SimpleNamespace(logits=c.runner.replay()[:, None].clone())

@@ -2,8 +2,9 @@ r"""The three loops over the [`Engine`][sparsecorr.decoding.engine.Engine]: pref
 (``generate``) and chunked teacher forcing (``teacher_forced_logprobs``).
 
 Per-step records stay on the device (tokens, log-probs, top-k) or are computed on the host
-(budgets, attended KV), so a decode step syncs the host once, for the EOS check, and not at all
-without an EOS token.
+(budgets, attended KV). The EOS check is the one host read per step: eager steps read it at once;
+CUDA-graph steps read step t's flags at step t + 1 (a pinned copy and an event), so the host runs
+a forward ahead of the GPU instead of waiting for it every token. Without an EOS token, no read.
 """
 
 from __future__ import annotations
@@ -159,12 +160,53 @@ def rows_to_keep(live: torch.Tensor, *, padded: bool) -> torch.Tensor:
     return live.clone().index_fill_(0, fill, True)
 
 
+def _eos_flags(tok: torch.Tensor, eos_t: torch.Tensor):
+    """Which sampled tokens are EOS, copied to the host without waiting: ``(host bool [N], event)``
+    (read it with `_read_eos` once the event has passed)."""
+    flags = torch.isin(tok, eos_t)
+    host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=flags.is_cuda)
+    host.copy_(flags, non_blocking=True)
+    event = None
+    if flags.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return host, event
+
+
+def _read_eos(pending, rec: _Records, t: int) -> torch.Tensor:
+    """The EOS flags of step ``t`` (``pending = (ids, host flags, event)``); marks those rows
+    finished. A row read one step late was fed its EOS token: its attended-KV record of that
+    step is cleared, as a row that stops at once never records one."""
+    ids, host, event = pending
+    if event is not None:
+        event.synchronize()  # the sampling of step t, long done: the GPU is a forward ahead
+    done = host.clone()
+    for r in ids[done].tolist():
+        rec.finish[r] = "eos"
+        rec.kept[r, t] = 0.0
+    return done
+
+
+def _drop_finished(engine: Engine, active, live, done):
+    """Mark the ``done`` live rows finished; shrink the engine's batch where `rows_to_keep` says
+    so. Returns ``(active, live, kept engine rows or None)``."""
+    live[live.nonzero().squeeze(1)[done]] = False
+    keep = rows_to_keep(live, padded=engine.graphs is not None and engine.graphs.status == "on")
+    if bool(keep.all()):
+        return active, live, None
+    kept = engine.select_rows(keep)
+    return active[kept], live[kept], kept
+
+
 def decode_loop(engine: Engine, logits: torch.Tensor, *, prompt_len: torch.Tensor, steps: int,
                 samp: Sampling, eos, pruner, group_size, bar) -> dict:
     """Sample ``steps`` tokens per row (fewer for rows that stop); returns RolloutBatch fields.
 
     ``active`` maps engine rows to batch rows; ``live`` marks the rows still decoding (in
     CUDA-graph mode finished rows may stay as dummies: fed, never advanced, never recorded).
+    With CUDA graphs (and no pruner) the EOS flags of a step are read one step late, so the
+    host never waits for the step it has just launched: a row that sampled EOS is fed once more
+    (its result unused) and leaves the batch at the next step. Eager steps read them at once.
     """
     b, dev = logits.shape[0], engine.device
     samp = replace(samp, generator=device_generator(samp.generator, logits.device))
@@ -172,7 +214,16 @@ def decode_loop(engine: Engine, logits: torch.Tensor, *, prompt_len: torch.Tenso
     eos_t = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=dev)
     hidden = None if pruner is None else torch.zeros(b, pruner.window, engine.spec.hidden_size, device=dev)
     active, live = torch.arange(b), torch.ones(b, dtype=torch.bool)
+    lagged = eos_t is not None and pruner is None and engine.graphs is not None and engine.graphs.status == "on"
+    pending = None
     for t in range(steps):
+        if pending is not None:  # the EOS flags of step t - 1
+            done, pending = _read_eos(pending, rec, t - 1), None
+            if bool(done.all()):
+                break
+            if bool(done.any()):
+                active, live, kept = _drop_finished(engine, active, live, done)
+                logits = logits if kept is None else logits[kept.to(dev)]
         padded = not bool(live.all())
         at = live.nonzero().squeeze(1).to(dev, non_blocking=True) if padded else None  # live engine rows
         ids = active[live]
@@ -184,21 +235,18 @@ def decode_loop(engine: Engine, logits: torch.Tensor, *, prompt_len: torch.Tenso
         rec.length[ids] += 1
         rec.budget[ids, t] = engine.budget_at(prompt_len[ids] + t)
         done = torch.zeros(len(ids), dtype=torch.bool)
-        if eos_t is not None:
-            done = torch.isin(tok, eos_t).cpu()
-            for r in ids[done].tolist():
-                rec.finish[r] = "eos"
+        if lagged:
+            pending = (ids, *_eos_flags(tok, eos_t))
+        elif eos_t is not None:
+            done = _read_eos((ids, *_eos_flags(tok, eos_t)), rec, t)
         bar.update(1)
         if t + 1 == steps or bool(done.all()):
             break
         if padded:  # dummies are fed token 0
             tok = torch.zeros(len(active), dtype=tok.dtype, device=dev).index_copy_(0, at, tok)
         if bool(done.any()):
-            live[live.nonzero().squeeze(1)[done]] = False
-            keep = rows_to_keep(live, padded=engine.graphs is not None and engine.graphs.status == "on")
-            if not bool(keep.all()):
-                kept = engine.select_rows(keep)
-                active, live, tok = active[kept], live[kept], tok[kept.to(dev)]
+            active, live, kept = _drop_finished(engine, active, live, done)
+            tok = tok if kept is None else tok[kept.to(dev)]
         slot = None if pruner is None else t - (pruner.detect_len - pruner.window)
         want_hidden = slot is not None and 0 <= slot < pruner.window
         out = engine.feed(tok[:, None], live.long(), decode=True, logits_to_keep=1, hidden=want_hidden)
@@ -214,6 +262,8 @@ def decode_loop(engine: Engine, logits: torch.Tensor, *, prompt_len: torch.Tenso
                 rows_kept = engine.select_rows(keep)
                 active, live, logits = active[rows_kept], live[rows_kept], logits[rows_kept.to(dev)]
         engine.compress_due()
+    if pending is not None:
+        _read_eos(pending, rec, t)
     return rec.fields()
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import save as st_save
 
 from .._io import atomic_write_bytes
 
-__all__ = ["RolloutBatch", "blank_fields"]
+__all__ = ["KeptAgreement", "KeptSets", "RolloutBatch", "blank_fields"]
 
 FORMAT = "sparsecorr.RolloutBatch/2"
 LEGACY_FORMAT = "sparsecorr.RolloutBatch/1"
@@ -57,6 +57,8 @@ class RolloutBatch:
         pruned: ``[B]`` bool, stopped by a pruner.
         pruned_at: ``[B]`` generated length at which the row was pruned (-1 if not).
         meta: policy, backend, dtype, seed, sampling settings, prefill and decode wall time (s).
+        kept_sets: the kept set of every compression event (`KeptSets`), when the call asked
+            for them (``record_keep=True``); None otherwise. Not written by `save`.
     """
 
     tokens: torch.Tensor
@@ -73,6 +75,7 @@ class RolloutBatch:
     pruned: torch.Tensor
     pruned_at: torch.Tensor
     meta: dict[str, Any] = field(default_factory=dict)
+    kept_sets: KeptSets | None = None
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         return replace(self, **{k: getattr(self, k).to(device) for k in _TENSORS})
@@ -191,3 +194,70 @@ def blank_fields(b: int, t: int, k: int, *, prompt_lengths: torch.Tensor) -> dic
                 kv_kept=torch.zeros(b, t), finish_reason=("empty",) * b, peak_kv_bytes=0,
                 pruned=torch.zeros(b, dtype=torch.bool), pruned_at=torch.full((b,), -1, dtype=torch.long))
 
+
+
+@dataclass(frozen=True)
+class KeptAgreement:
+    """How far two runs' kept sets agree, over the compression events both recorded.
+
+    Attributes:
+        events: (row, context length) events present in both runs.
+        identical: fraction of (event, layer, KV head) whose kept sets are identical.
+        jaccard: mean Jaccard index |A ∩ B| / |A ∪ B| over the same (event, layer, KV head).
+    """
+
+    events: int
+    identical: float
+    jaccard: float
+
+
+@dataclass(frozen=True)
+class KeptSets:
+    """The kept set of every compression event of an eviction policy's run, by row and context.
+
+    Event ``e`` is batch row ``rows[e]`` compressing at context length ``context[e]`` (prompt
+    plus fed tokens); ``positions[e, l, h]`` lists the true positions layer ``l``'s KV head ``h``
+    kept, ascending, padded with -1. Keyed by (row, context), events are independent of how the
+    engine batched and chunked the rows, so a teacher-forced replay can be given the decode's
+    sets (``teacher_forced_logprobs(..., keep_sets=...)``) and then sees exactly the tokens the
+    sampler saw: what is left between the two is numerics, not selection.
+
+    Shapes:
+        rows, context: ``[E]`` long; positions: ``[E, L, H_kv, K]`` long (K = the largest budget).
+    """
+
+    rows: torch.Tensor
+    context: torch.Tensor
+    positions: torch.Tensor
+
+    def lookup(self) -> dict[tuple[int, int], torch.Tensor]:
+        """``{(row, context): positions [L, H_kv, K]}``."""
+        return {(r, c): self.positions[i] for i, (r, c) in enumerate(zip(self.rows.tolist(), self.context.tolist()))}
+
+    def agreement(self, other: KeptSets) -> KeptAgreement:
+        """Agreement with ``other`` over the events both recorded (see `KeptAgreement`)."""
+        mine, theirs = self.lookup(), other.lookup()
+        common = sorted(set(mine) & set(theirs))
+        if not common:
+            return KeptAgreement(events=0, identical=float("nan"), jaccard=float("nan"))
+        a = torch.stack([mine[e] for e in common])
+        b = torch.stack([theirs[e] for e in common])
+        k = max(a.shape[-1], b.shape[-1])
+        a = torch.nn.functional.pad(a, (0, k - a.shape[-1]), value=-1)
+        b = torch.nn.functional.pad(b, (0, k - b.shape[-1]), value=-1)
+        inter = ((a[..., :, None] == b[..., None, :]) & (a[..., :, None] >= 0)).sum((-1, -2))
+        union = (a >= 0).sum(-1) + (b >= 0).sum(-1) - inter
+        same = (a == b).all(-1)
+        jac = torch.where(union > 0, inter / union.clamp(min=1), 1.0)
+        return KeptAgreement(events=len(common), identical=float(same.float().mean()), jaccard=float(jac.mean()))
+
+
+def kept_sets(events: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, layers: int, heads: int) -> KeptSets:
+    """Assemble recorded events ``(rows [n], context [n], positions [n, L, H, K])`` on the host."""
+    if not events:
+        return KeptSets(rows=torch.zeros(0, dtype=torch.long), context=torch.zeros(0, dtype=torch.long),
+                        positions=torch.zeros(0, layers, heads, 0, dtype=torch.long))
+    k = max(p.shape[-1] for _, _, p in events)
+    pos = [torch.nn.functional.pad(p.cpu(), (0, k - p.shape[-1]), value=-1) for _, _, p in events]
+    return KeptSets(rows=torch.cat([r for r, _, _ in events]), context=torch.cat([c for _, c, _ in events]),
+                    positions=torch.cat(pos))

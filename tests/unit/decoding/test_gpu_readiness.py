@@ -63,7 +63,7 @@ def _decode(model, ids, policy, budget, *, backend, runner=None, steps=16, eos=N
     engine = Engine(model, policy=policy, backend=backend, table=table, batch=ids.shape[0],
                     capacity=pool_capacity(policy, table, longest=longest, chunk=ids.shape[1]), grad=False)
     if runner is not None:
-        engine.graphs = DecodeGraphs(engine, runner=runner)
+        engine.graphs = DecodeGraphs(runner=runner)
     samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=0, generator=None)
     with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad():
         logits = prefill(engine, ids, lens, ids.shape[1])

@@ -23,7 +23,7 @@ def _decode(model, ids, policy, budget, *, graphs: bool, steps=20, eos=None):
                     capacity=pool_capacity(policy, table, longest=ids.shape[1] + steps, chunk=ids.shape[1]),
                     grad=False)
     if graphs:
-        engine.graphs = DecodeGraphs(engine, runner=EagerRunner)
+        engine.graphs = DecodeGraphs(runner=EagerRunner)
     samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=3, generator=None)
 
     class Bar:
@@ -63,7 +63,7 @@ def test_capture_failure_falls_back_to_eager(monkeypatch):
     lens = torch.full((2,), 5)
     table = budget_table(None, dense=True, longest=11)
     engine = Engine(model, policy=Dense(), backend=TorchBackend(), table=table, batch=2, capacity=11, grad=False)
-    engine.graphs = DecodeGraphs(engine, runner=Broken)
+    engine.graphs = DecodeGraphs(runner=Broken)
     samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=3, generator=None)
     with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad(), \
             pytest.warns(RuntimeWarning, match="capture failed"):

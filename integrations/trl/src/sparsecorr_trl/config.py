@@ -55,6 +55,12 @@ class SparseCorrConfig:
         distill_alpha: LoRA alpha (paper: 16).
         distill_lr: the adapter's AdamW learning rate.
         distill_kl_weight: lambda of the k3 term (paper: 1e-3).
+        cuda_graph: replay the sparse sampler's decode steps as CUDA graphs (``generate(...,
+            cuda_graph=True)``); ``None`` (default): on when the model is on a CUDA device, off
+            elsewhere; ``False`` turns them off (e.g. to debug a capture). ``True`` with a model
+            off CUDA raises at the first rollout. Needs ``policy``.
+        backend: the sampler's attention backend (``"auto"``: FlashInfer on CUDA when installed,
+            else ``"torch"``; or ``"torch"``, ``"flashinfer"``, ``"reference"``).
 
     Raises:
         ValueError: on an unknown preset or policy, a correction that is neither a name nor a
@@ -81,6 +87,8 @@ class SparseCorrConfig:
     distill_alpha: int = 16
     distill_lr: float = 1e-4
     distill_kl_weight: float = 1e-3
+    cuda_graph: bool | None = None
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         self.build()
@@ -114,6 +122,13 @@ class SparseCorrConfig:
         for name in ("distill_rank", "distill_alpha", "acceptance_topk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
+        if not (self.cuda_graph is None or isinstance(self.cuda_graph, bool)):
+            raise ValueError(f"cuda_graph: expected None (on for CUDA), True or False, got {self.cuda_graph!r}")
+        if self.cuda_graph and self.policy is None:
+            raise ValueError("cuda_graph: applies to sparsecorr's sampler (set policy), got policy=None")
+        if self.backend not in ("auto", "torch", "flashinfer", "reference"):
+            raise ValueError(f"backend: expected one of ['auto', 'torch', 'flashinfer', 'reference'], "
+                             f"got {self.backend!r}")
         check_positive("distill_lr", self.distill_lr, allow_zero=True)
         check_positive("distill_kl_weight", self.distill_kl_weight, allow_zero=True)
 

@@ -10,6 +10,13 @@ completion token, which TRL turns into ``sampling_per_token_logps`` and the loss
 The sampler uses TRL's temperature, ``top_k`` and ``top_p``; its log-probs are those of the
 tempered, truncated distribution it sampled from (TRL's dense ``old_logp`` is tempered, not
 truncated: truncation is part of the mismatch the correction sees, as with vLLM).
+
+On a CUDA device the sampler runs its fast path by default: CUDA-graph decode steps with the
+``auto`` backend (FlashInfer when installed). What ran is logged: ``sparsecorr/rollout/cuda_graph``
+(1 when the graph replays ran, 0 when eager) and ``sparsecorr/rollout/flashinfer`` (1 when the
+FlashInfer kernels ran); `SparseRollouts.backend` names the backend. The batch comes back to the
+host once (``generate`` returns CPU tensors) and is split into Python lists in one ``tolist`` per
+field, not one per row.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class RolloutStats:
     peak_kv_bytes: int
     mean_budget: float
     mean_kv_kept: float
+    cuda_graph: float = 0.0
+    flashinfer: float = 0.0
 
     def as_metrics(self) -> dict[str, float]:
         return {f"sparsecorr/rollout/{k}": float(v) for k, v in self.__dict__.items()}
@@ -72,23 +81,34 @@ class SparseRollouts:
     stats: RolloutStats
     topk_logp: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
+    backend: str = ""
+    cuda_graph: str = "off"
+
+
+def use_cuda_graph(model, option: bool | None) -> bool:
+    """``SparseCorrConfig.cuda_graph`` resolved for ``model``: None = on for a CUDA model."""
+    return next(model.parameters()).device.type == "cuda" if option is None else bool(option)
 
 
 def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_new_tokens: int,
                     eos_token_id, pad_token_id: int, generator: torch.Generator,
-                    sampling: dict, logprobs_topk: int = 0) -> SparseRollouts:
+                    sampling: dict, logprobs_topk: int = 0, cuda_graph: bool | None = None,
+                    backend: str = "auto") -> SparseRollouts:
     """Sample one completion per prompt with the sparse sampler (and record its top-k
-    log-probs, for the acceptance rate, when ``logprobs_topk > 0``)."""
+    log-probs, for the acceptance rate, when ``logprobs_topk > 0``). ``cuda_graph``: None = on
+    for a CUDA model (see `use_cuda_graph`)."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("prompt_ids: expected non-empty token id lists, got an empty prompt")
     ids, mask = _pad(prompt_ids, pad_token_id)
     with eval_mode(model):
         batch = generate(model, ids, mask, policy=policy, budget=budget,
                          max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                         generator=generator, logprobs_topk=logprobs_topk, **sampling)
+                         generator=generator, logprobs_topk=logprobs_topk, backend=backend,
+                         cuda_graph=use_cuda_graph(model, cuda_graph), **sampling)
     lengths = batch.lengths.tolist()
-    completions = [batch.tokens[i, :n].tolist() for i, n in enumerate(lengths)]
-    logprobs = [batch.rollout_logp[i, :n].tolist() for i, n in enumerate(lengths)]
+    tokens, logp = batch.tokens.tolist(), batch.rollout_logp.tolist()  # host tensors: one pass each
+    completions = [row[:n] for row, n in zip(tokens, lengths)]
+    logprobs = [row[:n] for row, n in zip(logp, lengths)]
     gen = batch.mask
     seconds = batch.meta["prefill_s"] + batch.meta["decode_s"]
     budget_t = batch.budget[gen].float()
@@ -96,6 +116,8 @@ def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_n
         tokens=int(gen.sum()), tokens_per_s=float(gen.sum()) / max(seconds, 1e-9),
         peak_kv_bytes=int(batch.peak_kv_bytes),
         mean_budget=float(budget_t[budget_t >= 0].mean()) if bool((budget_t >= 0).any()) else -1.0,
-        mean_kv_kept=float(batch.kv_kept[gen].mean()) if bool(gen.any()) else 0.0)
+        mean_kv_kept=float(batch.kv_kept[gen].mean()) if bool(gen.any()) else 0.0,
+        cuda_graph=float(batch.meta["cuda_graph"] == "on"), flashinfer=float(batch.meta["backend"] == "flashinfer"))
     top = (batch.topk_logp, batch.topk_ids) if logprobs_topk > 0 else (None, None)
-    return SparseRollouts(completions, logprobs, stats, *top)
+    return SparseRollouts(completions, logprobs, stats, *top, backend=batch.meta["backend"],
+                          cuda_graph=batch.meta["cuda_graph"])

@@ -31,12 +31,26 @@ __all__ = [
     "FlashInferDecode",
     "flashinfer_backend",
     "flashinfer_status",
+    "float_workspace",
     "needs_tensor_cores",
     "require_flashinfer",
 ]
 
 INSTALL_HINT = "pip install 'sparsecorr[flashinfer]'"
 _CUDA_CORE_GROUP_SIZES = (1, 2, 4, 8)
+_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def float_workspace(device: torch.device, nbytes: int) -> torch.Tensor:
+    """FlashInfer's zeroed float workspace for ``device``: allocated once per (device, size) and
+    shared by every wrapper in the process (scratch of one kernel at a time on one stream: the
+    wrappers of a decode run one after another, as SGLang shares one buffer between its
+    wrappers), so a ``generate`` call allocates no 128 MiB workspace of its own."""
+    key = (torch.device(device), int(nbytes))
+    buf = _WORKSPACES.get(key)
+    if buf is None:
+        buf = _WORKSPACES[key] = torch.zeros(nbytes, dtype=torch.uint8, device=key[0])  # "must be zeroed"
+    return buf
 
 
 class BackendUnavailableError(RuntimeError):
@@ -78,7 +92,8 @@ class FlashInferDecode:
         device: a CUDA device.
         group_size: query heads per KV head (GQA group, e.g. 7 for 28/4).
         head_dim: head dimension (64 or 128).
-        workspace_bytes: FlashInfer's float workspace (128 MiB default, as its examples).
+        workspace_bytes: FlashInfer's float workspace (128 MiB default, as its examples); one per
+            device and size, shared by every instance (`float_workspace`).
         use_tensor_cores: force the tensor-core kernel; default: `needs_tensor_cores`.
         graph_buffers: ``(indptr [R + 1], indices [>= nnz], last_page_len [R])`` int32 device
             buffers for CUDA-graph mode (fixed R; ``plan`` copies each table into them).
@@ -102,7 +117,7 @@ class FlashInferDecode:
         self.device = torch.device(device)
         self.group_size, self.head_dim = group_size, head_dim
         tc = needs_tensor_cores(group_size) if use_tensor_cores is None else use_tensor_cores
-        workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)  # "must be zeroed"
+        workspace = float_workspace(self.device, workspace_bytes)
         graph = {}
         if graph_buffers is not None:  # fixed indptr / indices / last_page_len: CUDA-graph mode
             graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=graph_buffers[0],

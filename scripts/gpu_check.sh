@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Issue 34's GPU checks in one call of the device tool (run from the repository root):
+#
+#   bash scripts/gpu_check.sh [STEP ...]       # on the GPU machine; default: every step
+#   GPU_CHECK_CPU=1 bash scripts/gpu_check.sh  # rehearsal on a CPU machine (smoke sizes; PYTHON=
+#                                              # the interpreter, GPU_CHECK_EXTRA_SITE= a directory
+#                                              # with torch + transformers for the install's venv)
+#
+# Steps, in order, each under its own timeout, its output in $OUT/<step>.log and one JSON line
+# {"step", "rc", "seconds"} appended to $OUT/steps.jsonl as it ends (a run cut short keeps what
+# it measured; the benchmarks append their own JSON lines to $OUT/*.jsonl cell by cell):
+#   env      GPU, driver, python, torch, transformers, flashinfer, trl versions
+#   install  FlashInfer AOT (.gpu/flashinfer_aot.tar.xz -> /tmp/site) and the wheels of
+#            scripts/gpu_wheels.sh (.gpu/wheels*, into a venv with --system-site-packages)
+#   memory   tests/gpu/test_memory_gpu.py -s (the 40-call test; its drift printed)
+#   pytest   python -m pytest -m gpu tests/gpu (every GPU test; junit XML in $OUT)
+#   trl      benchmarks/bench_trl_step_gpu.py (stock GRPOTrainer vs ours, memory after each step)
+#   decode   benchmarks/bench_decoding_gpu.py 0.6B, B=8, 32k and 4k, CUDA graphs
+# Budget: about 8-9 minutes on an H100 in all (pytest ~2 min, trl < 4 min, decode ~2 min).
+# Prepare on the CPU machine first: bash ../shared/gpu/build_flashinfer_aot.sh and
+# bash scripts/gpu_wheels.sh; carry .gpu (see gpu_wheels.sh for the 64 MiB carry limit).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT="${OUT:-$ROOT/results/gpu-check}"
+mkdir -p "$OUT"
+CPU="${GPU_CHECK_CPU:-0}"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env install memory pytest trl decode)
+PY=python3
+[ "$CPU" = 1 ] && PY="${PYTHON:-python3}"
+export PYTHONPATH="/tmp/site:$ROOT/src:$ROOT/integrations/trl/src:$ROOT" FLASHINFER_WORKSPACE_BASE=/tmp/fiws \
+    PYTHONUNBUFFERED=1
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS rc
+  echo "== $name: $*" | tee -a "$OUT/steps.log"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; rc=$?
+  printf '{"step": "%s", "rc": %d, "seconds": %d}\n' "$name" "$rc" "$((SECONDS - t0))" \
+      | tee -a "$OUT/steps.jsonl"
+  tail -n 25 "$OUT/$name.log"
+  return 0
+}
+
+install() {
+  if [ -f .gpu/flashinfer_aot.tar.xz ]; then
+    mkdir -p /tmp/site && tar -xJf .gpu/flashinfer_aot.tar.xz -C /tmp/site && echo "flashinfer AOT unpacked"
+  else
+    echo "no .gpu/flashinfer_aot.tar.xz: FlashInfer JIT or not installed (backend auto may pick torch)"
+  fi
+  local links=()
+  for d in .gpu/wheels*; do [ -d "$d" ] && links+=(--find-links "$d"); done
+  if [ ${#links[@]} -eq 0 ]; then echo "no .gpu/wheels*: TRL not installed (the trl step will fail)"; return 0; fi
+  $PY -m venv --system-site-packages /tmp/gpu-venv || return 1
+  if [ -n "${GPU_CHECK_EXTRA_SITE:-}" ]; then  # CPU rehearsal: torch + transformers live there
+    echo "$GPU_CHECK_EXTRA_SITE" > "$(/tmp/gpu-venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/extra.pth"
+    /tmp/gpu-venv/bin/python -m pip uninstall -q -y setuptools 2>/dev/null || true  # use the site's
+  fi
+  /tmp/gpu-venv/bin/python -m pip install --no-index "${links[@]}" trl==1.16.0 einops || return 1
+  /tmp/gpu-venv/bin/python -c "import trl, datasets, accelerate; print('trl', trl.__version__)"
+}
+
+env_info() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || echo "no nvidia-smi"
+  $PY - <<'PYEOF'
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name())
+for m in ("transformers", "flashinfer", "trl", "datasets", "accelerate", "einops", "scipy"):
+    try:
+        print(m, importlib.import_module(m).__version__)
+    except Exception as exc:
+        print(m, "missing:", type(exc).__name__, exc)
+PYEOF
+}
+
+export -f install env_info
+export PY CPU
+for s in "${STEPS[@]}"; do
+  [ -x /tmp/gpu-venv/bin/python ] && PY=/tmp/gpu-venv/bin/python
+  case $s in
+    env) step env 60 bash -c env_info ;;
+    install) step install 240 bash -c install ;;
+    memory) step memory 180 $PY -m pytest -q -s -m gpu tests/gpu/test_memory_gpu.py -p no:cacheprovider -rfEs \
+                -o addopts="" ;;
+    pytest) step pytest 300 $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rfEs -o addopts="" \
+                --junitxml "$OUT/pytest-gpu.xml" ;;
+    trl) if [ "$CPU" = 1 ]; then step trl 240 $PY benchmarks/bench_trl_step_gpu.py --smoke --out "$OUT/trl_step.jsonl"
+         else step trl 300 $PY benchmarks/bench_trl_step_gpu.py --out "$OUT/trl_step.jsonl"; fi ;;
+    decode) if [ "$CPU" = 1 ]; then step decode 240 $PY benchmarks/bench_decoding_gpu.py --smoke --out "$OUT/decode.jsonl"
+            else step decode 240 $PY benchmarks/bench_decoding_gpu.py --models qwen3-0.6b --batches 8 \
+                     --contexts 32768,4096 --cuda-graph --out "$OUT/decode.jsonl"; fi ;;
+    *) echo "gpu_check: unknown step $s (env install memory pytest trl decode)" >&2; exit 2 ;;
+  esac
+done
+echo "gpu_check: done; $OUT/steps.jsonl:"; cat "$OUT/steps.jsonl"
