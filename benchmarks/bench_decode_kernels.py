@@ -145,8 +145,44 @@ def _count_generate(model, ids, policy, budget: int, steps: int) -> KernelCounte
 _WARM: set[int] = set()
 
 
-def step_counts(policy, *, layers: int, smoke: bool) -> dict[str, Counter]:
-    """Ops of one eager decode step by owner (and by frame) for a ``layers``-deep model."""
+class plan_once:  # noqa: N801 - a context manager used like a function
+    """Projection of the engine change of the next phase: the cache's ``select_pages`` gets the
+    step's ``SelectionPlan`` built once per step (here: by a wrapper keyed on the step's
+    ``query_slots`` tensor, which every layer of a step shares) instead of once per layer. Needs
+    ``policies.block_topk.selection_plan`` (absent before issue 36: then ``available`` is False)."""
+
+    def __init__(self) -> None:
+        try:
+            from sparsecorr.decoding.policies.block_topk import selection_plan
+        except ImportError:
+            selection_plan = None
+        self.selection_plan = selection_plan
+        self.available = selection_plan is not None
+
+    def __enter__(self):
+        import sparsecorr.decoding.cache as cache_mod
+
+        self.mod, self.orig, memo = cache_mod, cache_mod.select_pages, {}
+
+        def select(policy, *, summaries, query, slots, budgets, k):
+            if memo.get("slots") is not slots:  # a new step (the old tensor is kept alive: no id reuse)
+                memo.update(slots=slots, plan=self.selection_plan(policy, slots=slots, budgets=budgets, k=k,
+                                                                  n_pages=summaries.shape[2]))
+            return self.orig(policy, summaries=summaries, query=query, plan=memo["plan"])
+
+        cache_mod.select_pages = select
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mod.select_pages = self.orig
+
+
+def step_counts(policy, *, layers: int, smoke: bool, plan: bool = False) -> dict[str, Counter]:
+    """Ops of one eager decode step by owner (and by frame) for a ``layers``-deep model (``plan``:
+    with the selection plan built once per step, see `plan_once`)."""
+    if plan:
+        with plan_once():
+            return step_counts(policy, layers=layers, smoke=smoke)
     model = _model(layers, smoke)
     prompt = 6 if smoke else 32
     ids = torch.randint(3, 128, (2, prompt), generator=torch.Generator().manual_seed(0))
@@ -160,15 +196,18 @@ def step_counts(policy, *, layers: int, smoke: bool) -> dict[str, Counter]:
 
 
 def step_table(smoke: bool) -> list[dict]:
+    cases = [(name, pol, False) for name, pol in step_policies(smoke)]
+    if plan_once().available:
+        cases.append(("BlockTopK", step_policies(smoke)[-1][1], True))
     rows = []
-    for name, pol in step_policies(smoke):
-        c2, c4 = step_counts(pol, layers=2, smoke=smoke), step_counts(pol, layers=4, smoke=smoke)
+    for name, pol, plan in cases:
+        c2, c4 = (step_counts(pol, layers=n, smoke=smoke, plan=plan) for n in (2, 4))
         per = {k: (c4["owner"][k] - c2["owner"][k]) / 2 for k in ("hf", "ours", "other")}
         once = {k: c2["owner"][k] - 2 * per[k] for k in ("hf", "ours", "other")}
         layer_where = {f"{k[0]} {k[1]}": (c4["where"][k] - c2["where"][k]) / 2 for k in c4["where"] | c2["where"]
                        if c4["where"][k] != c2["where"][k]}
-        rows.append({"policy": name, "per_layer": per, "once_per_step": once, "per_layer_where": layer_where,
-                     "target_ours": TARGET_STEP[name]})
+        rows.append({"policy": name + (" (plan once per step: projection)" if plan else ""), "per_layer": per, "once_per_step": once, "per_layer_where": layer_where,
+                     "target_ours": TARGET_STEP[name], "projection": plan})
     return rows
 
 
