@@ -145,7 +145,7 @@ def _count_generate(model, ids, policy, budget: int, steps: int) -> KernelCounte
 _WARM: set[int] = set()
 
 
-class plan_once:  # noqa: N801 - a context manager used like a function
+class plan_once:  # a context manager used like a function
     """Projection of the engine change of the next phase: the cache's ``select_pages`` gets the
     step's ``SelectionPlan`` built once per step (here: by a wrapper keyed on the step's
     ``query_slots`` tensor, which every layer of a step shares) instead of once per layer. Needs

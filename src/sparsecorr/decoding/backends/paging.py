@@ -27,11 +27,11 @@ import torch
 
 __all__ = [
     "PageTable",
+    "SelectionOffsets",
     "dense_page_table",
     "page_table_from_keep",
     "page_table_from_mask",
     "paged_attention_reference",
-    "SelectionOffsets",
     "scatter_selected_pages",
     "selection_offsets",
 ]

@@ -118,7 +118,7 @@ def window_votes(logits: torch.Tensor, valid: torch.Tensor, query_valid: torch.T
                  group: int, scale: float) -> torch.Tensor:
     r"""SnapKV's votes from the raw logits of the observation-window queries.
 
-    \(\mathrm{imp}_j = rac{1}{G}\sum_{g}\sum_{w} m_w\,\mathrm{softmax}_j(s\,q_{gw}\cdot k_j)\) over
+    \(\mathrm{imp}_j = \frac{1}{G}\sum_{g}\sum_{w} m_w\,\mathrm{softmax}_j(s\,q_{gw}\cdot k_j)\) over
     the valid keys (\(m_w\): ``query_valid``). Invalid keys get the float32 minimum as their bias
     (``log valid`` clamped, instead of \(-\infty\): a row without a valid key gives no NaN) and
     receive exactly 0 probability in any row with a valid key. The sum over the window and the group is one GEMV of the

@@ -45,8 +45,7 @@ _EPS = 1e-12  # F.normalize's floor on a key's norm (a zero key has unit key 0)
 def _unit_sum(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Norms, per-slot weights and the sum of the unit keys, from the keys as stored.
 
-    \(n_j = \lVert k_j 
-Vert\) (float32 accumulation), \(w_j = \mathrm{valid}_j / \max(n_j, \epsilon)\)
+    \(n_j = \lVert k_j\rVert\) (float32 accumulation), \(w_j = \mathrm{valid}_j / \max(n_j, \epsilon)\)
     and \(s = \sum_j w_j k_j = \sum_{j\ \mathrm{valid}} \hat k_j\): one norm pass and one GEMV over
     the keys (the float32 weights split into two bf16 rows for a bf16 cache, see
     [`split_rows`][sparsecorr.decoding.policies.base.split_rows]).
@@ -69,21 +68,16 @@ def _redundancy_from(dots: torch.Tensor, n: torch.Tensor, w: torch.Tensor) -> to
 def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
     r"""Mean cosine similarity of each valid key to the other valid keys: ``[B, H_kv, S]``.
 
-    With unit keys \(\hat k_j = k_j / \max(\lVert k_j
-Vert, \epsilon)\) (``F.normalize``'s
+    With unit keys \(\hat k_j = k_j / \max(\lVert k_j\rVert, \epsilon)\) (``F.normalize``'s
     definition, \(\epsilon = 10^{-12}\)) and \(n\) valid keys,
 
-    \[ \mathrm{red}_j = rac{1}{n-1}\sum_{t 
-e j} \hat k_j \cdot \hat k_t
-       = rac{\hat k_j \cdot s - \lVert \hat k_j 
-Vert^2}{n - 1},
+    \[ \mathrm{red}_j = \frac{1}{n-1}\sum_{t \ne j} \hat k_j \cdot \hat k_t
+       = \frac{\hat k_j \cdot s - \lVert \hat k_j\rVert^2}{n - 1},
        \qquad s = \sum_t \hat k_t . \]
 
-    In closed form from the stored keys: with \(n_j = \lVert k_j 
-Vert\) and
+    In closed form from the stored keys: with \(n_j = \lVert k_j\rVert\) and
     \(w_j = 1/\max(n_j, \epsilon)\), \(\hat k_j \cdot s = w_j\,(k_j \cdot s)\) and
-    \(\lVert \hat k_j
-Vert^2 = (w_j n_j)^2\) (1 unless the key is (near) zero), and
+    \(\lVert \hat k_j\rVert^2 = (w_j n_j)^2\) (1 unless the key is (near) zero), and
     \(s = \sum_t w_t k_t\). So the keys are read three times (norms, \(s\), the dot products), in
     their own dtype with float32 accumulation, and no unit-key (or float32) copy of them is made;
     the S×S similarity matrix is never formed. A zero key has similarity 0 to everything; invalid
