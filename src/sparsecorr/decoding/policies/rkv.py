@@ -90,7 +90,8 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, *, chunk: int | None
     n, w, s = _unit_sum(keys, valid)
     dots = matmul_f32(split_rows(s, keys.dtype), keys.transpose(-1, -2))  # [B, H, 1 or 2, S]
     red = _redundancy_from(merge_rows(dots, 1)[:, :, 0], n, w)
-    return red / (valid.sum(-1, keepdim=True) - 1).clamp(min=1)
+    others = valid.sum(-1, keepdim=True) - 1
+    return (red / others.clamp(min=1)).masked_fill_(others < 1, 0.0)  # one valid key: 0, not rounding
 
 
 def rkv_parts(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
