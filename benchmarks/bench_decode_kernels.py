@@ -8,10 +8,11 @@ so this benchmark counts, on the CPU, the kernel-launching aten ops one step dis
   (allocations, ``_unsafe_view``, ``detach``, ...), each attributed to HF or to us by the innermost
   Python frame under ``transformers/`` or ``sparsecorr/`` (the torch backend's attention counts as
   ours). BlockTopK runs with ``dense_layers=0`` here, so its per-layer figure is a sparse
-  layer's (a dense layer's is Dense's). One step = ops of ``generate(max_new_tokens=3)`` minus ops of ``max_new_tokens=2`` (one
-  more forward and one more sampling; the budget is set so that no compression happens). The
-  per-layer part is ``(count(4 layers) - count(2 layers)) / 2``; the rest is the once-per-step
-  part.
+  layer's (a dense layer's is Dense's). One step = ops of ``generate(max_new_tokens=2)`` minus
+  ops of ``max_new_tokens=1`` (one more forward and one more sampling; the budget is set so that
+  no compression happens). The per-layer part is ``(count(4 layers) - count(2 layers)) / 2``;
+  the rest is the once-per-step part. A "projection" row runs BlockTopK with its per-step
+  selection plan built once per step (the engine change of the next phase, simulated here).
 - **one compression event of one layer** (``policies.compress``: scoring and the kept set) at a
   realistic shape (B=8, H_kv=8, H_q=16, S=2177, D=128, W=8, bf16 keys; ``--smoke``: a small one):
   ops and bytes moved (the sum over ops of input + output tensor bytes, each tensor counted at
@@ -184,20 +185,20 @@ def step_counts(policy, *, layers: int, smoke: bool, plan: bool = False) -> dict
         with plan_once():
             return step_counts(policy, layers=layers, smoke=smoke)
     model = _model(layers, smoke)
-    prompt = 6 if smoke else 32
+    prompt = 2 if smoke else 32
     ids = torch.randint(3, 128, (2, prompt), generator=torch.Generator().manual_seed(0))
     budget = 4 * prompt  # no compression during the counted steps
     if layers not in _WARM:  # lazy initialisations happen outside the counts
         _count_generate(model, ids, policy, budget, 2)
         _WARM.add(layers)
-    a, b = _count_generate(model, ids, policy, budget, 2), _count_generate(model, ids, policy, budget, 3)
+    a, b = _count_generate(model, ids, policy, budget, 1), _count_generate(model, ids, policy, budget, 2)
     return {"owner": Counter({k: b.by_owner[k] - a.by_owner[k] for k in ("hf", "ours", "other")}),
             "where": Counter({k: b.by_where[k] - a.by_where[k] for k in b.by_where | a.by_where})}
 
 
 def step_table(smoke: bool) -> list[dict]:
     cases = [(name, pol, False) for name, pol in step_policies(smoke)]
-    if plan_once().available:
+    if plan_once().available and not smoke:
         cases.append(("BlockTopK", step_policies(smoke)[-1][1], True))
     rows = []
     for name, pol, plan in cases:
