@@ -11,9 +11,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from sparsecorr.decoding.backends.paging import scatter_selected_pages, selection_offsets
-from sparsecorr.decoding.policies import RKV, BlockTopK, SnapKV, StreamingLLM, compress, key_redundancy
+from sparsecorr.decoding.policies import (
+    RKV,
+    BlockTopK,
+    SnapKV,
+    StreamingLLM,
+    compress,
+    key_redundancy,
+)
 from sparsecorr.decoding.policies.base import matmul_f32, merge_rows, split_rows
-from sparsecorr.decoding.policies.block_topk import selection_plan, select_pages
+from sparsecorr.decoding.policies.block_topk import select_pages, selection_plan
 from tests.property.decoding import reference_policies as ref
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
