@@ -95,8 +95,8 @@ def split_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     r"""Float32 rows ``x`` as rows in ``dtype`` whose sum is ``x``: \(x = x_{hi} + x_{lo}\) with
     \(x_{hi}\) = ``x`` rounded to ``dtype`` and \(x_{lo}\) the rounded remainder (relative error
     about \(2^{-17}\) for bf16), so a float32 vector can meet bf16 keys in a
-    [`matmul_f32`][sparsecorr.decoding.policies.base.matmul_f32] (add the two halves of the
-    result with [`merge_rows`][sparsecorr.decoding.policies.base.merge_rows]). Float32 ``dtype``:
+    `matmul_f32` (add the two halves of the
+    result with `merge_rows`). Float32 ``dtype``:
     ``x`` itself.
 
     Shapes:
@@ -109,7 +109,7 @@ def split_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def merge_rows(y: torch.Tensor, rows: int) -> torch.Tensor:
-    """The product of [`split_rows`][sparsecorr.decoding.policies.base.split_rows]' rows, merged
+    """The product of `split_rows`' rows, merged
     back: ``[..., R or 2R, N]`` -> ``[..., R, N]``."""
     return y if y.shape[-2] == rows else y[..., :rows, :] + y[..., rows:, :]
 
@@ -146,7 +146,7 @@ def group_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
 
     Softmax over valid keys only, in float32; window queries with ``query_valid`` False
     (``[B, W]``) do not vote. The logits are one
-    [`matmul_f32`][sparsecorr.decoding.policies.base.matmul_f32] of the keys as stored (no float32
+    `matmul_f32` of the keys as stored (no float32
     copy of the keys where the backend has a mixed-precision GEMM); only the ``[B, H_q, W, S]``
     logits are float32. Scores of invalid slots are unspecified (0 in any row with a valid key).
 

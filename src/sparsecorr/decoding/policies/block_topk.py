@@ -97,7 +97,7 @@ def keep_counts(policy: BlockTopK, *, slots: torch.Tensor, budgets: torch.Tensor
     every page so far where the budget is -1 (dense). Same shape as ``slots`` (any device).
 
     It depends on the step only (not the layer): compute it once per step and pass it on (see
-    [`selection_plan`][sparsecorr.decoding.policies.block_topk.selection_plan])."""
+    `selection_plan`)."""
     n_pages = slots // policy.page_size + 1
     want = (budgets // policy.page_size).clamp(min=policy.keep_first_pages + policy.keep_last_pages)
     return torch.where(budgets < 0, n_pages, torch.minimum(want, n_pages))
@@ -106,7 +106,7 @@ def keep_counts(policy: BlockTopK, *, slots: torch.Tensor, budgets: torch.Tensor
 @dataclass(frozen=True)
 class SelectionPlan:
     """What a decode step's page selection shares across its sparse layers (computed once per
-    step by [`selection_plan`][sparsecorr.decoding.policies.block_topk.selection_plan]).
+    step by `selection_plan`).
 
     Shapes:
         keep ``[B, Q]`` long: pages each query keeps; ok ``[B, 1, Q, k]`` bool: top-k ranks below
@@ -161,11 +161,11 @@ def select_pages(policy: BlockTopK, *, summaries: torch.Tensor, query: torch.Ten
 
     Per layer this is a GEMM of the group's queries against the summaries as stored (float32
     accumulation, no float32 copy of the summaries where the backend has a mixed-precision GEMM:
-    [`matmul_f32`][sparsecorr.decoding.policies.base.matmul_f32]), the group mean, the plan's
+    `matmul_f32`), the group mean, the plan's
     bias (forced pages and future pages), a top-k, and a sort of the page ids; everything that
     depends on the step only is in ``plan`` (built here from ``slots``, ``budgets`` and ``k`` when
     not given; an engine builds it once per step with
-    [`selection_plan`][sparsecorr.decoding.policies.block_topk.selection_plan]).
+    `selection_plan`).
 
     Args:
         summaries: mean key of every complete page (entries of incomplete pages are ignored).
@@ -173,7 +173,7 @@ def select_pages(policy: BlockTopK, *, summaries: torch.Tensor, query: torch.Ten
         slots: slot of each query's token (not needed with ``plan``).
         budgets: budget in force for each query (-1 = dense; not needed with ``plan``).
         k: at least the largest keep count (a host int, so no device sync is needed).
-        plan: the step's [`SelectionPlan`][sparsecorr.decoding.policies.block_topk.SelectionPlan].
+        plan: the step's `SelectionPlan`.
 
     Shapes:
         summaries ``[B, H_kv, P, D]``; query ``[B, H_q, Q, D]``; slots, budgets ``[B, Q]`` ->

@@ -48,7 +48,7 @@ def _unit_sum(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, to
     \(n_j = \lVert k_j\rVert\) (float32 accumulation), \(w_j = \mathrm{valid}_j / \max(n_j, \epsilon)\)
     and \(s = \sum_j w_j k_j = \sum_{j\ \mathrm{valid}} \hat k_j\): one norm pass and one GEMV over
     the keys (the float32 weights split into two bf16 rows for a bf16 cache, see
-    [`split_rows`][sparsecorr.decoding.policies.base.split_rows]).
+    `split_rows`).
 
     Shapes:
         keys ``[B, H, S, D]``; valid ``[B, H, S]`` -> n, w ``[B, H, S]`` and s ``[B, H, 1, D]`` float32.
@@ -97,7 +97,7 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, *, chunk: int | None
 def rkv_parts(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
               query_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     r"""R-KV's two raw terms with the keys read three times in all: SnapKV's votes
-    ([`group_scores`][sparsecorr.decoding.policies.group_scores]) and
+    (`group_scores`) and
     \((n-1)\) × [`key_redundancy`][sparsecorr.decoding.policies.key_redundancy] (the per-row
     factor cancels in the min-max normalisation). The sum of unit keys \(s\) rides as extra rows
     of the observation-window queries, so one GEMM gives the logits and every \(k_j \cdot s\).
