@@ -203,3 +203,22 @@ def test_scatter_with_step_offsets_equals_todays(data, pages_per_row):
     for _ in range(2):  # the same offsets serve every layer of the step
         scatter_selected_pages(once, indptr, pages, ok, pages_per_row=pages_per_row, offsets=offsets)
     assert torch.equal(plain[:nnz], want[:nnz]) and torch.equal(once[:nnz], want[:nnz])
+
+
+@pytest.mark.gpu
+def test_mixed_precision_gemm_path_on_cuda_equals_cpu():
+    """On CUDA, ``matmul_f32`` reads bf16 operands through ``bmm(out_dtype=float32)``; the scores,
+    kept sets and pages equal the CPU's (which upcasts), to rounding."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 5, 64, generator=gen).bfloat16(), torch.randn(4, 64, 300, generator=gen).bfloat16()
+    torch.testing.assert_close(matmul_f32(a.cuda(), b.cuda()).cpu(), a.float() @ b.float(), atol=1e-4, rtol=1e-5)
+    keys = torch.randn(2, 2, 300, 64, generator=gen).bfloat16()
+    queries = torch.randn(2, 4, 8, 64, generator=gen).bfloat16()
+    valid = torch.ones(2, 2, 300, dtype=torch.bool)
+    positions = torch.arange(300).expand(2, 2, 300)
+    for pol in (SnapKV(), RKV()):
+        cpu = pol.score(keys=keys, queries=queries, valid=valid, positions=positions)
+        gpu = pol.score(keys=keys.cuda(), queries=queries.cuda(), valid=valid.cuda(), positions=positions.cuda())
+        torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-4, rtol=0)
+    torch.testing.assert_close(key_redundancy(keys.cuda(), valid.cuda()).cpu(), key_redundancy(keys, valid),
+                               atol=2e-5, rtol=0)
