@@ -229,8 +229,11 @@ def compress_inputs(shape: dict, device: str, seed: int = 0) -> dict:
     return dict(keys=keys, queries=queries, valid=valid, positions=positions)
 
 
-def compress_counts(policy, shape: dict, device: str) -> dict:
-    """Ops and bytes of ``compress`` for one layer (scoring + kept set), on ``device``."""
+def compress_counts(policy, shape: dict, device: str, layers: int = 1) -> dict:
+    """Ops and bytes of ``compress`` for one layer (scoring + kept set), on ``device``; with
+    ``layers > 1``, of one call over ``layers`` layers stacked along the batch axis (what a
+    batched compression event runs), divided by ``layers``."""
+    shape = {**shape, "b": shape["b"] * layers}
     inp = compress_inputs(shape, device)
     budget = torch.full((shape["b"],), shape["s"] // 2 - getattr(policy, "buffer", 0), device=device)
     kw = dict(budget=budget, max_budget=shape["s"] // 2 - getattr(policy, "buffer", 0), **inp)
@@ -240,8 +243,8 @@ def compress_counts(policy, shape: dict, device: str) -> dict:
     with counter:
         compress(policy, **kw)
     key_bytes = inp["keys"].numel() * inp["keys"].element_size()
-    return {"ops": counter.total, "bytes": counter.bytes, "key_bytes": key_bytes,
-            "ratio": counter.bytes / key_bytes, "by_op": dict(counter.by_op)}
+    return {"ops": counter.total / layers, "bytes": counter.bytes / layers, "key_bytes": key_bytes / layers,
+            "ratio": counter.bytes / key_bytes, "by_op": dict(counter.by_op), "layers": layers}
 
 
 def compaction_counts(shape: dict) -> dict:
@@ -270,6 +273,10 @@ def compress_table(smoke: bool) -> list[dict]:
             except (RuntimeError, NotImplementedError) as exc:  # an op without a meta kernel
                 row[device] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         rows.append(row)
+    # projection of the next phase's batched event (the pool as one [L, B, H, C, D] tensor, so the
+    # stacked keys are a view): the same compress over 28 layers in one call, per layer (meta only)
+    rows.append({"policy": "RKV, 28 layers in one call (projection)", "shape": shape,
+                 "meta": compress_counts(RKV(), shape, "meta", layers=28)})
     rows.append({"policy": "compaction (pool.py)", "shape": shape, "cpu": compaction_counts(shape)})
     return rows
 
@@ -303,7 +310,7 @@ def cuda_kernels_per_step(smoke: bool) -> list[dict]:  # pragma: no cover - need
 # -- the tables ------------------------------------------------------------------------------------
 
 def _fmt(x: float) -> str:
-    return f"{x:g}"
+    return f"{x:g}" if x == int(x) else f"{x:.1f}"
 
 
 def print_tables(result: dict) -> None:
@@ -334,12 +341,13 @@ def print_tables(result: dict) -> None:
             elif "error" in c:
                 cells += ["error", c["error"][:40], ""]
             else:
-                cells += [str(c["ops"]), f"{c['bytes'] / 2**20:.0f}",
+                cells += [_fmt(c["ops"]), f"{c['bytes'] / 2**20:.0f}",
                           f"{c['ratio']:.2f}x" if "ratio" in c else ""]
-        if r["policy"] == "RKV" and "ops" in r.get("meta", {}):
+        if r["policy"].startswith("RKV") and "ops" in r.get("meta", {}):
             m = r["meta"]
-            ok = m["ops"] <= TARGET_RKV_KERNELS and m["ratio"] <= TARGET_RKV_BYTES
-            cells.append(f"<= {TARGET_RKV_KERNELS} ops, <= {TARGET_RKV_BYTES:g}x: {'met' if ok else 'missed'} (CUDA ops)")
+            ops_ok, bytes_ok = m["ops"] <= TARGET_RKV_KERNELS, m["ratio"] <= TARGET_RKV_BYTES
+            cells.append(f"<= {TARGET_RKV_KERNELS} ops: {'met' if ops_ok else 'missed'}; "
+                         f"<= {TARGET_RKV_BYTES:g}x: {'met' if bytes_ok else 'missed'} (CUDA ops)")
         else:
             cells.append("")
         rows.append(cells)
