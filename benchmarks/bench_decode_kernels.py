@@ -11,7 +11,9 @@ so this benchmark counts, on the CPU, the kernel-launching aten ops one step dis
   layer's (a dense layer's is Dense's). One step = ops of ``generate(max_new_tokens=2)`` minus
   ops of ``max_new_tokens=1`` (one more forward and one more sampling; the budget is set so that
   no compression happens). The per-layer part is ``(count(4 layers) - count(2 layers)) / 2``;
-  the rest is the once-per-step part. A "projection" row runs BlockTopK with its per-step
+  the rest is the once-per-step part. Rows of equal length (no mask in a step) and ragged rows
+  (a mask in every step: the torch backend's masked single-token attention) are both counted
+  (``--smoke``: equal rows only). A "projection" row runs BlockTopK with its per-step
   selection plan built once per step (the engine change of the next phase, simulated here).
 - **one compression event of one layer** (``policies.compress``: scoring and the kept set) at a
   realistic shape (B=8, H_kv=8, H_q=16, S=2177, D=128, W=8, bf16 keys; ``--smoke``: a small one):
@@ -133,12 +135,12 @@ def _model(layers: int, smoke: bool):
     return tiny_model("qwen3", num_layers=layers, dtype=torch.bfloat16, **kw)
 
 
-def _count_generate(model, ids, policy, budget: int, steps: int) -> KernelCounter:
+def _count_generate(model, ids, mask, policy, budget: int, steps: int) -> KernelCounter:
     counter = KernelCounter()
     with counter:
         # prefill one token per forward: a CausalBias (the aligned-chunk mask) cannot be built
         # under a dispatch mode; the prefill is the same in both counts and cancels
-        generate(model, ids, policy=policy, budget=budget, max_new_tokens=steps, temperature=0,
+        generate(model, ids, mask, policy=policy, budget=budget, max_new_tokens=steps, temperature=0,
                  backend="torch", logprobs_topk=0, prefill_chunk=1)
     return counter
 
@@ -178,37 +180,45 @@ class plan_once:  # a context manager used like a function
         self.mod.select_pages = self.orig
 
 
-def step_counts(policy, *, layers: int, smoke: bool, plan: bool = False) -> dict[str, Counter]:
+def step_counts(policy, *, layers: int, smoke: bool, plan: bool = False, ragged: bool = False) -> dict[str, Counter]:
     """Ops of one eager decode step by owner (and by frame) for a ``layers``-deep model (``plan``:
-    with the selection plan built once per step, see `plan_once`)."""
+    with the selection plan built once per step, see `plan_once`; ``ragged``: the two rows'
+    prompts differ by one token, so every step carries an attention mask)."""
     if plan:
         with plan_once():
-            return step_counts(policy, layers=layers, smoke=smoke)
+            return step_counts(policy, layers=layers, smoke=smoke, ragged=ragged)
     model = _model(layers, smoke)
     prompt = 2 if smoke else 32
     ids = torch.randint(3, 128, (2, prompt), generator=torch.Generator().manual_seed(0))
+    mask = None
+    if ragged:
+        mask = torch.ones_like(ids)
+        mask[1, 0] = 0
     budget = 4 * prompt  # no compression during the counted steps
     if layers not in _WARM:  # lazy initialisations happen outside the counts
-        _count_generate(model, ids, policy, budget, 2)
+        _count_generate(model, ids, mask, policy, budget, 2)
         _WARM.add(layers)
-    a, b = _count_generate(model, ids, policy, budget, 1), _count_generate(model, ids, policy, budget, 2)
+    a, b = (_count_generate(model, ids, mask, policy, budget, n) for n in (1, 2))
     return {"owner": Counter({k: b.by_owner[k] - a.by_owner[k] for k in ("hf", "ours", "other")}),
             "where": Counter({k: b.by_where[k] - a.by_where[k] for k in b.by_where | a.by_where})}
 
 
 def step_table(smoke: bool) -> list[dict]:
-    cases = [(name, pol, False) for name, pol in step_policies(smoke)]
+    cases = [(name, pol, False, False) for name, pol in step_policies(smoke)]
+    if not smoke:  # rows of different lengths: a mask in every step
+        cases += [(name, pol, False, True) for name, pol in step_policies(smoke)]
     if plan_once().available and not smoke:
-        cases.append(("BlockTopK", step_policies(smoke)[-1][1], True))
+        cases.append(("BlockTopK", step_policies(smoke)[-1][1], True, False))
     rows = []
-    for name, pol, plan in cases:
-        c2, c4 = (step_counts(pol, layers=n, smoke=smoke, plan=plan) for n in (2, 4))
+    for name, pol, plan, ragged in cases:
+        c2, c4 = (step_counts(pol, layers=n, smoke=smoke, plan=plan, ragged=ragged) for n in (2, 4))
         per = {k: (c4["owner"][k] - c2["owner"][k]) / 2 for k in ("hf", "ours", "other")}
         once = {k: c2["owner"][k] - 2 * per[k] for k in ("hf", "ours", "other")}
         layer_where = {f"{k[0]} {k[1]}": (c4["where"][k] - c2["where"][k]) / 2 for k in c4["where"] | c2["where"]
                        if c4["where"][k] != c2["where"][k]}
-        rows.append({"policy": name + (" (plan once per step: projection)" if plan else ""), "per_layer": per, "once_per_step": once, "per_layer_where": layer_where,
-                     "target_ours": TARGET_STEP[name], "projection": plan})
+        label = name + (", ragged rows" if ragged else "") + (" (plan once per step: projection)" if plan else "")
+        rows.append({"policy": label, "name": name, "ragged": ragged, "projection": plan, "per_layer": per,
+                     "once_per_step": once, "per_layer_where": layer_where, "target_ours": TARGET_STEP[name]})
     return rows
 
 
