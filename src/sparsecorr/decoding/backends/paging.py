@@ -134,8 +134,8 @@ def scatter_selected_pages(buffer: torch.Tensor, indptr: torch.Tensor, pages: to
 
     Request ``r``'s ``ok`` pages are the first ones of its (ascending) ``pages`` row and go to
     ``buffer[indptr[r] : indptr[r + 1]]``; the rest go to the dump entry ``buffer[-1]``. The
-    counts of ``ok`` must match ``indptr`` (the engine derives both from the same keep counts).
-    With ``offsets`` (built once per step by
+    counts of ``ok`` must match ``indptr`` (the engine derives both from the same keep counts;
+    the write positions are taken from ``indptr``, so ``ok`` itself is not read). With ``offsets`` (built once per step by
     [`selection_offsets`][sparsecorr.decoding.backends.paging.selection_offsets]; then ``ok`` is
     already encoded in them) a layer's write is two ops: the page ids plus the row's base, written
     as int32, and one scatter.
