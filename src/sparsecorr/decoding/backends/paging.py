@@ -27,11 +27,13 @@ import torch
 
 __all__ = [
     "PageTable",
+    "SelectionOffsets",
     "dense_page_table",
     "page_table_from_keep",
     "page_table_from_mask",
     "paged_attention_reference",
     "scatter_selected_pages",
+    "selection_offsets",
 ]
 
 
@@ -93,25 +95,61 @@ def dense_page_table(lengths: torch.Tensor, *, heads: int, pages_per_row: int, p
                      page_size=page_size)
 
 
+@dataclass(frozen=True)
+class SelectionOffsets:
+    """Where each entry of a step's page selection goes in a table's ``indices`` buffer (the same
+    for every sparse layer of the step; built once by
+    [`selection_offsets`][sparsecorr.decoding.backends.paging.selection_offsets]).
+
+    Shapes:
+        pos ``[R · K]`` long: buffer position of entry ``(r, i)`` (``indptr[r] + i`` while ``i`` is
+        below the request's page count, else the dump entry ``buffer[-1]``); base ``[R, 1]`` long:
+        ``r · pages_per_row`` (the first page of request ``r``'s pool row).
+    """
+
+    pos: torch.Tensor
+    base: torch.Tensor
+
+
+def selection_offsets(indptr: torch.Tensor, *, k: int, pages_per_row: int, dump: int) -> SelectionOffsets:
+    """The CSR write positions of a selection of ``k`` pages per request, once per step.
+
+    Args:
+        indptr: the selection table's ``[R + 1]`` offsets (on the buffer's device).
+        k: entries per request in the selection (``pages.shape[-1]``).
+        pages_per_row: pages of one (sequence, KV head) row in the pool.
+        dump: the dump position (``buffer.numel() - 1``).
+    """
+    r = indptr.numel() - 1
+    start, counts = indptr[:-1].long()[:, None], (indptr[1:] - indptr[:-1]).long()[:, None]
+    i = torch.arange(k, device=indptr.device)
+    pos = torch.where(i < counts, start + i, dump)
+    return SelectionOffsets(pos=pos.reshape(-1), base=torch.arange(r, device=indptr.device)[:, None] * pages_per_row)
+
+
 def scatter_selected_pages(buffer: torch.Tensor, indptr: torch.Tensor, pages: torch.Tensor,
-                           ok: torch.Tensor, *, pages_per_row: int) -> None:
+                           ok: torch.Tensor, *, pages_per_row: int,
+                           offsets: SelectionOffsets | None = None) -> None:
     """Write a selection's page ids into a table's ``indices`` buffer, in place, on its device.
 
     Request ``r``'s ``ok`` pages are the first ones of its (ascending) ``pages`` row and go to
     ``buffer[indptr[r] : indptr[r + 1]]``; the rest go to the dump entry ``buffer[-1]``. The
-    counts of ``ok`` must match ``indptr`` (the engine derives both from the same keep counts).
+    counts of ``ok`` must match ``indptr`` (the engine derives both from the same keep counts;
+    the write positions are taken from ``indptr``, so ``ok`` itself is not read). With ``offsets`` (built once per step by
+    [`selection_offsets`][sparsecorr.decoding.backends.paging.selection_offsets]; then ``ok`` is
+    already encoded in them) a layer's write is two ops: the page ids plus the row's base, written
+    as int32, and one scatter.
 
     Shapes:
         buffer ``[nnz + 1]`` int32; indptr ``[R + 1]`` (on buffer's device); pages, ok
         ``[B, H_kv, K]`` with ``R = B · H_kv``.
     """
     r = pages.shape[0] * pages.shape[1]
-    flat, okf = pages.reshape(r, -1), ok.reshape(r, -1)
-    rows = torch.arange(r, device=pages.device)[:, None]
-    pos = indptr[:-1].long()[:, None] + torch.arange(flat.shape[1], device=pages.device)
-    pos = torch.where(okf, pos, buffer.numel() - 1)
-    vals = torch.where(okf, rows * pages_per_row + flat, 0).to(buffer.dtype)
-    buffer.scatter_(0, pos.reshape(-1), vals.reshape(-1))
+    flat = pages.reshape(r, -1)
+    if offsets is None:
+        offsets = selection_offsets(indptr, k=flat.shape[1], pages_per_row=pages_per_row, dump=buffer.numel() - 1)
+    vals = torch.add(flat, offsets.base, out=torch.empty(flat.shape, dtype=buffer.dtype, device=buffer.device))
+    buffer.scatter_(0, offsets.pos, vals.reshape(-1))
 
 
 def page_table_from_keep(index: torch.Tensor, valid: torch.Tensor, *, slots: int) -> PageTable:

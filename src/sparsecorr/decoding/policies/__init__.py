@@ -12,7 +12,15 @@
 from __future__ import annotations
 
 from .base import KeepSet, KVPolicy, compress, group_scores
-from .block_topk import BlockTopK, keep_counts, page_means, pages_to_mask, select_pages
+from .block_topk import (
+    BlockTopK,
+    SelectionPlan,
+    keep_counts,
+    page_means,
+    pages_to_mask,
+    select_pages,
+    selection_plan,
+)
 from .dense import Dense
 from .rkv import RKV, key_redundancy
 from .snapkv import SnapKV, pool_scores
@@ -32,7 +40,7 @@ def get_policy(name: str, **kwargs: object) -> KVPolicy:
 
 
 __all__ = [
-    "POLICIES", "RKV", "BlockTopK", "Dense", "KVPolicy", "KeepSet", "SnapKV", "StreamingLLM",
+    "POLICIES", "RKV", "BlockTopK", "Dense", "KVPolicy", "KeepSet", "SelectionPlan", "SnapKV", "StreamingLLM",
     "compress", "get_policy", "group_scores", "keep_counts", "key_redundancy", "page_means",
-    "pages_to_mask", "pool_scores", "select_pages",
+    "pages_to_mask", "pool_scores", "select_pages", "selection_plan",
 ]

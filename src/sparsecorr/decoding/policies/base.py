@@ -14,12 +14,14 @@ W queries, post-RoPE, ``H_q = H_kv · G``), valid ``[B, H_kv, S]`` bool, positio
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 
-__all__ = ["KVPolicy", "KeepSet", "check_int", "compress", "group_scores"]
+__all__ = ["KVPolicy", "KeepSet", "check_int", "compress", "group_scores", "matmul_f32", "merge_rows",
+           "split_rows", "window_votes"]
 
 Kind = Literal["dense", "eviction", "selection"]
 
@@ -52,7 +54,7 @@ class KVPolicy:
 
 @dataclass(frozen=True)
 class KeepSet:
-    """Kept slots per (sequence, KV head), sorted by position.
+    """Kept slots per (sequence, KV head), ascending (slot order is position order).
 
     Shapes:
         index: ``[B, H_kv, K]`` long; valid: ``[B, H_kv, K]`` bool.
@@ -62,36 +64,115 @@ class KeepSet:
     valid: torch.Tensor
 
 
+@functools.cache
+def _mixed_gemm(device_type: str) -> bool:
+    """Whether the backend has a ``bf16/fp16 x bf16/fp16 -> fp32`` batched GEMM (``aten::bmm.dtype``:
+    CUDA and meta have one; the CPU does not)."""
+    key = torch._C._dispatch_key_for_device(device_type)
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::bmm.dtype", key)
+
+
+def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    r"""``a @ b`` accumulated and returned in float32, reading low-precision operands as they are.
+
+    Two bf16 (or fp16) numbers multiply exactly in float32, so the result is the float32 product
+    of the stored values, accumulated in float32 -- what ``a.float() @ b.float()`` computes --
+    without a float32 copy of either operand where the backend has a mixed-precision GEMM
+    (CUDA: ``torch.bmm(..., out_dtype=torch.float32)``). Elsewhere (CPU) the operands are upcast
+    first: the same math, more traffic. Float32 operands (or mixed dtypes) take the plain path.
+
+    Shapes:
+        a ``[..., M, K]``, b ``[..., K, N]`` with the same leading dims -> ``[..., M, N]`` float32.
+    """
+    if a.dtype == torch.float32 or a.dtype != b.dtype or not _mixed_gemm(a.device.type):
+        return a.float() @ b.float()
+    lead, m, n = a.shape[:-2], a.shape[-2], b.shape[-1]
+    out = torch.bmm(a.reshape(-1, m, a.shape[-1]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
+    return out.reshape(*lead, m, n)
+
+
+def split_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    r"""Float32 rows ``x`` as rows in ``dtype`` whose sum is ``x``: \(x = x_{hi} + x_{lo}\) with
+    \(x_{hi}\) = ``x`` rounded to ``dtype`` and \(x_{lo}\) the rounded remainder (relative error
+    about \(2^{-17}\) for bf16), so a float32 vector can meet bf16 keys in a
+    `matmul_f32` (add the two halves of the
+    result with `merge_rows`). Float32 ``dtype``:
+    ``x`` itself.
+
+    Shapes:
+        x ``[..., R, D]`` float32 -> ``[..., R, D]`` (float32) or ``[..., 2R, D]`` (hi rows, then lo).
+    """
+    if dtype == torch.float32:
+        return x
+    hi = x.to(dtype)
+    return torch.cat([hi, (x - hi).to(dtype)], dim=-2)
+
+
+def merge_rows(y: torch.Tensor, rows: int) -> torch.Tensor:
+    """The product of `split_rows`' rows, merged
+    back: ``[..., R or 2R, N]`` -> ``[..., R, N]``."""
+    return y if y.shape[-2] == rows else y[..., :rows, :] + y[..., rows:, :]
+
+
+def window_votes(logits: torch.Tensor, valid: torch.Tensor, query_valid: torch.Tensor | None, *,
+                 group: int, scale: float) -> torch.Tensor:
+    r"""SnapKV's votes from the raw logits of the observation-window queries.
+
+    \(\mathrm{imp}_j = \frac{1}{G}\sum_{g}\sum_{w} m_w\,\mathrm{softmax}_j(s\,q_{gw}\cdot k_j)\) over
+    the valid keys (\(m_w\): ``query_valid``). Invalid keys get the float32 minimum as their bias
+    (``log valid`` clamped, instead of \(-\infty\): a row without a valid key gives no NaN) and
+    receive exactly 0 probability in any row with a valid key. The sum over the window and the group is one GEMV of the
+    probabilities with the weights \(m_w / G\).
+
+    Shapes:
+        logits ``[B, H_kv, G·W, S]`` float32 (group-major rows); valid ``[B, H_kv, S]``;
+        query_valid ``[B, W]`` or None -> ``[B, H_kv, S]`` float32.
+    """
+    b, h, gw, s = logits.shape
+    bias = torch.log(valid).clamp_(min=torch.finfo(torch.float32).min)[:, :, None, :]
+    probs = torch.add(bias, logits, alpha=scale).softmax(dim=-1)
+    if query_valid is None:
+        wts = torch.full((1, 1, 1, gw), 1.0 / group, device=logits.device)
+    else:
+        wts = (query_valid / group).repeat(1, group)[:, None, None, :]  # [B, 1, 1, G·W]
+    return (wts @ probs).reshape(b, h, s)
+
+
 def group_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
                  query_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of the observation-window queries to the keys, summed over the window and
-    averaged over the query heads of each KV group: ``[B, H_kv, S]`` (SnapKV's importance).
+    r"""Attention of the observation-window queries to the keys, summed over the window and
+    averaged over the query heads of each KV group: ``[B, H_kv, S]`` (SnapKV's importance, Li et
+    al., 2024).
 
     Softmax over valid keys only, in float32; window queries with ``query_valid`` False
-    (``[B, W]``) do not vote.
+    (``[B, W]``) do not vote. The logits are one
+    `matmul_f32` of the keys as stored (no float32
+    copy of the keys where the backend has a mixed-precision GEMM); only the ``[B, H_q, W, S]``
+    logits are float32. Scores of invalid slots are unspecified (0 in any row with a valid key).
+
+    Shapes:
+        queries ``[B, H_q, W, D]``; keys ``[B, H_kv, S, D]``; valid ``[B, H_kv, S]`` bool.
     """
     b, hq, w, d = queries.shape
     hkv = keys.shape[1]
     g = hq // hkv
-    q = queries.float().reshape(b, hkv, g, w, d)
-    logits = torch.einsum("bhgwd,bhsd->bhgws", q, keys.float()) * d**-0.5
-    logits = logits.masked_fill(~valid[:, :, None, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    if query_valid is not None:
-        probs = probs * query_valid[:, None, None, :, None].to(probs.dtype)
-    return probs.sum(dim=3).mean(dim=2)
+    logits = matmul_f32(queries.reshape(b, hkv, g * w, d), keys.transpose(-1, -2))
+    return window_votes(logits, valid, query_valid, group=g, scale=d**-0.5)
 
 
-def _protected(policy: KVPolicy, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Slots that must be kept: the first ``sink`` and the last ``window`` valid positions."""
+def _protected(policy: KVPolicy, valid: torch.Tensor, rank: torch.Tensor) -> torch.Tensor | None:
+    """Slots that must be kept (before masking by ``valid``): the first ``sink`` and the last
+    ``window`` valid slots, by ``rank`` (the running count of valid slots, 1-based); None if
+    neither is asked for."""
     sink, recent = getattr(policy, "sink", 0), getattr(policy, "window", 0)
-    big = torch.iinfo(torch.long).max
-    pos = torch.where(valid, positions, big)
-    # rank of each valid slot by position, from the start and from the end
-    order = pos.argsort(dim=-1)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order))
-    n = valid.sum(-1, keepdim=True)
-    return valid & ((rank < sink) | (rank >= n - recent))
+    parts = []
+    if sink:
+        parts.append(rank <= sink)
+    if recent:
+        parts.append(rank > rank[..., -1:] - recent)
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else parts[0] | parts[1]
 
 
 def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
@@ -107,8 +188,15 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     ``max_budget`` (the host-known maximum of ``budget``) lets a caller pass ``budget`` already on
     the device without a sync (the engine moves its budgets once per compression, not per layer).
 
+    **Slot order is position order**: the valid slots of a row must hold increasing positions
+    (the engine's pool keeps this: compaction keeps the kept slots in position order and new
+    tokens are written after them). So the sink / recent ranks are running counts of valid
+    slots and the kept set is put in position order by sorting slot indices: no argsort of
+    positions.
+
     Returns:
-        `KeepSet` with ``K = max budget`` columns, sorted by position.
+        `KeepSet` with ``K = min(max budget, S)`` columns: the kept slots ascending, then (where a
+        row keeps fewer) entries set to the last slot with ``valid`` False.
     """
     b, _, s = valid.shape
     budgets = torch.as_tensor(budget).reshape(-1).long()
@@ -116,19 +204,20 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     k = int(min(top_budget, s))
     budgets = budgets.to(valid.device, non_blocking=True).expand(b)
     extra = {} if query_valid is None else {"query_valid": query_valid}
-    scores = policy.score(keys=keys, queries=queries, valid=valid, positions=positions, **extra).double()
+    scores = policy.score(keys=keys, queries=queries, valid=valid, positions=positions, **extra)
     # ties (frequent after max pooling) go to the more recent token, by true position, so the
     # kept set does not depend on where a row's tokens sit in the slot axis (padding, batching)
-    scores = scores + positions.double() * 1e-12
-    # protected slots outrank every score, and among themselves the most recent wins
-    # (1e15 + position is exact in float64; regular scores are far below it)
-    scores = torch.where(_protected(policy, valid, positions), 1e15 + positions.double(), scores)
-    scores = scores.masked_fill(~valid, -torch.inf)
-    top = scores.topk(k, dim=-1).indices  # [B, H, K]
-    rank = torch.arange(k, device=valid.device)
-    kept = valid.gather(-1, top) & (rank[None, None, :] < budgets[:, None, None])
-    # sort by position; dropped entries go last
-    big = torch.iinfo(torch.long).max
-    pos = torch.where(kept, positions.gather(-1, top), big)
-    order = pos.argsort(dim=-1)
-    return KeepSet(index=top.gather(-1, order), valid=kept.gather(-1, order))
+    key = torch.add(scores.double(), positions, alpha=1e-12)
+    # protected slots outrank every score, and among themselves the most recent (the latest
+    # slot: slot order is position order) wins (1e15 + slot is exact in float64)
+    rank = valid.cumsum(-1)  # 1-based rank of each valid slot; its last entry: valid slots per row
+    protected = _protected(policy, valid, rank)
+    if protected is not None:
+        key = torch.where(protected, torch.arange(1e15, 1e15 + s, dtype=torch.float64, device=key.device), key)
+    key = torch.where(valid, key, -torch.inf)
+    top = key.topk(k, dim=-1).indices  # [B, H, K]: valid slots (finite keys) first
+    # the first min(budget, valid slots) entries are kept
+    kept = torch.arange(k, device=valid.device) < torch.minimum(budgets[:, None, None], rank[..., -1:])
+    # position order = slot order: sort the kept slots; dropped entries (set to the last slot) go last
+    index = torch.where(kept, top, s - 1).sort(dim=-1).values
+    return KeepSet(index=index, valid=kept)

@@ -22,9 +22,10 @@ from typing import ClassVar
 
 import torch
 
-from .base import Kind, KVPolicy, check_int
+from .base import Kind, KVPolicy, check_int, matmul_f32
 
-__all__ = ["BlockTopK", "keep_counts", "page_means", "pages_to_mask", "select_pages"]
+__all__ = ["BlockTopK", "SelectionPlan", "keep_counts", "page_means", "pages_to_mask", "select_pages",
+           "selection_plan"]
 
 
 @dataclass(frozen=True)
@@ -93,29 +94,86 @@ def page_means(keys: torch.Tensor, *, page_size: int) -> torch.Tensor:
 
 def keep_counts(policy: BlockTopK, *, slots: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
     """Pages each query attends to: ``min(max(budget // page_size, first + last), pages so far)``;
-    every page so far where the budget is -1 (dense). Same shape as ``slots`` (any device)."""
+    every page so far where the budget is -1 (dense). Same shape as ``slots`` (any device).
+
+    It depends on the step only (not the layer): compute it once per step and pass it on (see
+    `selection_plan`)."""
     n_pages = slots // policy.page_size + 1
     want = (budgets // policy.page_size).clamp(min=policy.keep_first_pages + policy.keep_last_pages)
     return torch.where(budgets < 0, n_pages, torch.minimum(want, n_pages))
 
 
+@dataclass(frozen=True)
+class SelectionPlan:
+    """What a decode step's page selection shares across its sparse layers (computed once per
+    step by `selection_plan`).
+
+    Shapes:
+        keep ``[B, Q]`` long: pages each query keeps; ok ``[B, 1, Q, k]`` bool: top-k ranks below
+        ``keep`` (the selected entries of each query's page list), drop: its complement; bias ``[B, 1, Q, P]`` float32: ``+inf`` on the forced
+        pages, ``-inf`` on pages after the query's own, 0 elsewhere; ``k`` and ``P`` host ints.
+    """
+
+    keep: torch.Tensor
+    ok: torch.Tensor
+    drop: torch.Tensor
+    bias: torch.Tensor
+    k: int
+    n_pages: int
+
+
+def selection_plan(policy: BlockTopK, *, slots: torch.Tensor, budgets: torch.Tensor, k: int,
+                   n_pages: int, keep: torch.Tensor | None = None) -> SelectionPlan:
+    """The per-step part of [`select_pages`][sparsecorr.decoding.policies.block_topk.select_pages]:
+    keep counts, the rank mask and the forced / causal page bias. Call it once per decode step
+    (every sparse layer of the step shares it) and pass it as ``plan``.
+
+    Args:
+        slots, budgets: as in ``select_pages`` (``[B, Q]``, on the summaries' device).
+        k: at least the largest keep count (a host int); clipped to ``n_pages``.
+        n_pages: pages of the summaries (``summaries.shape[2]``).
+        keep: the keep counts if already known (``[B, Q]``), else computed here.
+    """
+    k = min(k, n_pages)
+    if keep is None:
+        keep = keep_counts(policy, slots=slots, budgets=budgets)
+    dev = slots.device
+    drop = torch.arange(k, device=dev) >= keep[:, None, :, None]
+    page = torch.arange(n_pages, device=dev)
+    current = (slots // policy.page_size)[:, None, :, None]  # [B, 1, Q, 1]
+    forced = (page < policy.keep_first_pages) | (page > current - policy.keep_last_pages)
+    bias = torch.zeros(forced.shape, device=dev).masked_fill_(forced, torch.inf)
+    return SelectionPlan(keep=keep, ok=~drop, drop=drop, bias=bias.masked_fill_(page > current, -torch.inf), k=k,
+                         n_pages=n_pages)
+
+
 def select_pages(policy: BlockTopK, *, summaries: torch.Tensor, query: torch.Tensor,
-                 slots: torch.Tensor, budgets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The pages each query attends to, scored from the page summaries.
+                 slots: torch.Tensor | None = None, budgets: torch.Tensor | None = None, k: int = 0,
+                 plan: SelectionPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The pages each query attends to, scored from the page summaries (Sparrow).
 
     For a query at slot \(s\) (its position: selection policies never evict) the candidate pages
     are \(0 \dots \lfloor s / p \rfloor\); the first ``keep_first_pages`` and the last
     ``keep_last_pages`` of them are forced; the rest compete by
-    \(\bar k_{\text{page}} \cdot \bar q\) (\(\bar q\): the query's mean over its KV group's query
-    heads) for the remaining places of
+    \(\bar k_{\text{page}} \cdot \bar q = \frac{1}{G}\sum_g \bar k_{\text{page}} \cdot q_g\) (the
+    mean over its KV group's query heads) for the remaining places of
     [`keep_counts`][sparsecorr.decoding.policies.block_topk.keep_counts].
+
+    Per layer this is a GEMM of the group's queries against the summaries as stored (float32
+    accumulation, no float32 copy of the summaries where the backend has a mixed-precision GEMM:
+    `matmul_f32`), the group mean, the plan's
+    bias (forced pages and future pages), a top-k, and a sort of the page ids; everything that
+    depends on the step only is in ``plan`` (built here from ``slots``, ``budgets`` and ``k`` when
+    not given; an engine builds it once per step with
+    `selection_plan`).
 
     Args:
         summaries: mean key of every complete page (entries of incomplete pages are ignored).
         query: the step's queries (post-RoPE).
-        slots: slot of each query's token.
-        budgets: budget in force for each query (-1 = dense).
+        slots: slot of each query's token (not needed with ``plan``).
+        budgets: budget in force for each query (-1 = dense; not needed with ``plan``).
         k: at least the largest keep count (a host int, so no device sync is needed).
+        plan: the step's `SelectionPlan`.
 
     Shapes:
         summaries ``[B, H_kv, P, D]``; query ``[B, H_q, Q, D]``; slots, budgets ``[B, Q]`` ->
@@ -124,22 +182,19 @@ def select_pages(policy: BlockTopK, *, summaries: torch.Tensor, query: torch.Ten
     """
     b, h, n_pages, d = summaries.shape
     q_len = query.shape[2]
-    mean_q = query.float().reshape(b, h, -1, q_len, d).mean(2)  # [B, H, Q, D]
-    score = torch.einsum("bhqd,bhpd->bhqp", mean_q, summaries.float())
-    page = torch.arange(n_pages, device=summaries.device)
-    current = (slots // policy.page_size)[:, None, :, None]  # [B, 1, Q, 1]
-    forced = (page < policy.keep_first_pages) | (page > current - policy.keep_last_pages)
-    score = torch.where(forced, torch.inf, score).masked_fill(page > current, -torch.inf)
-    k = min(k, n_pages)
-    top = score.topk(k, dim=-1).indices
-    ok = torch.arange(k, device=top.device) < keep_counts(policy, slots=slots, budgets=budgets)[:, None, :, None]
-    pages = torch.where(ok, top, n_pages).sort(-1).values
-    return pages, pages < n_pages
+    g = query.shape[1] // h
+    if plan is None:
+        plan = selection_plan(policy, slots=slots, budgets=budgets, k=k, n_pages=n_pages)
+    logits = matmul_f32(query.reshape(b, h, g * q_len, d), summaries.transpose(-1, -2))  # [B, H, G·Q, P]
+    score = logits.reshape(b, h, g, q_len, n_pages).mean(2) + plan.bias
+    top = score.topk(plan.k, dim=-1).indices
+    pages = top.masked_fill_(plan.drop, n_pages).sort(-1).values
+    return pages, plan.ok.expand(b, h, q_len, plan.k)
 
 
 def pages_to_mask(pages: torch.Tensor, ok: torch.Tensor, *, page_size: int, slots: int) -> torch.Tensor:
     """Slot mask of selected pages: ``[B, H_kv, Q, K]`` pages -> ``[B, H_kv, Q, slots]`` bool."""
     n_pages = -(-slots // page_size)
     chosen = torch.zeros(*pages.shape[:-1], n_pages + 1, dtype=torch.bool, device=pages.device)
-    chosen.scatter_(-1, torch.where(ok, pages, n_pages).clamp(max=n_pages), True)
+    chosen.scatter_(-1, torch.where(ok, pages, n_pages).clamp(max=n_pages).long(), True)
     return chosen[..., :n_pages].repeat_interleave(page_size, dim=-1)[..., :slots]

@@ -15,49 +15,107 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from .base import Kind, KVPolicy, group_scores
+from .base import Kind, KVPolicy, matmul_f32, merge_rows, split_rows, window_votes
 from .snapkv import check_window_policy, pool_scores
 
-__all__ = ["RKV", "key_redundancy"]
+__all__ = ["RKV", "key_redundancy", "rkv_parts"]
 
 
-def _minmax(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    lo = torch.where(valid, x, torch.inf).amin(-1, keepdim=True)
-    hi = torch.where(valid, x, -torch.inf).amax(-1, keepdim=True)
-    return torch.where(valid, (x - lo) / (hi - lo).clamp(min=1e-12), 0.0)
+def mix_minmax(imp: torch.Tensor, red: torch.Tensor, valid: torch.Tensor, *, mix: float) -> torch.Tensor:
+    r"""\(\mathrm{mix}\cdot\hat{\mathrm{imp}} - (1-\mathrm{mix})\cdot\hat{\mathrm{red}}\), each term
+    min-max normalised over the valid slots of its (sequence, head): \(\hat x = (x - \min x) /
+    \max(\max x - \min x, 10^{-12})\); 0 at invalid slots. Both terms are normalised together
+    (stacked), and the mix is one ``lerp``: \(-\hat r + \mathrm{mix}\,(\hat i + \hat r)\).
+
+    Shapes:
+        imp, red, valid ``[B, H, S]`` -> ``[B, H, S]`` float32.
+    """
+    x = torch.stack([imp, red])  # [2, B, H, S]
+    invalid = ~valid
+    hi = x.masked_fill(invalid, -torch.inf).amax(-1, keepdim=True)
+    lo = x.masked_fill(invalid, torch.inf).amin(-1, keepdim=True)
+    z = (x - lo) / (hi - lo).clamp(min=1e-12)
+    return torch.lerp(-z[1], z[0], mix).masked_fill(invalid, 0.0)
 
 
-def _unit_keys(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    return F.normalize(keys.float(), dim=-1) * valid[..., None]
+_EPS = 1e-12  # F.normalize's floor on a key's norm (a zero key has unit key 0)
 
 
-def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, *, chunk: int = 4096) -> torch.Tensor:
+def _unit_sum(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Norms, per-slot weights and the sum of the unit keys, from the keys as stored.
+
+    \(n_j = \lVert k_j\rVert\) (float32 accumulation), \(w_j = \mathrm{valid}_j / \max(n_j, \epsilon)\)
+    and \(s = \sum_j w_j k_j = \sum_{j\ \mathrm{valid}} \hat k_j\): one norm pass and one GEMV over
+    the keys (the float32 weights split into two bf16 rows for a bf16 cache, see
+    `split_rows`).
+
+    Shapes:
+        keys ``[B, H, S, D]``; valid ``[B, H, S]`` -> n, w ``[B, H, S]`` and s ``[B, H, 1, D]`` float32.
+    """
+    n = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
+    w = valid / n.clamp(min=_EPS)
+    s = merge_rows(matmul_f32(split_rows(w[:, :, None, :], keys.dtype), keys), 1)
+    return n, w, s
+
+
+def _redundancy_from(dots: torch.Tensor, n: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    r"""\((n - 1)\,\mathrm{red}_j = w_j (k_j \cdot s) - (w_j n_j)^2\) (0 at invalid slots, where \(w_j = 0\))."""
+    u = w * n
+    return torch.addcmul(w * dots, u, u, value=-1.0)
+
+
+def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
     r"""Mean cosine similarity of each valid key to the other valid keys: ``[B, H_kv, S]``.
 
-    With unit keys \(\hat k_j\) and \(n\) valid keys,
-    \(\mathrm{red}_j = \frac{1}{n-1}\sum_{t \ne j} \hat k_j \cdot \hat k_t
-    = \frac{\hat k_j \cdot \sum_t \hat k_t - \lVert \hat k_j \rVert^2}{n - 1}\), so the score
-    costs O(S·D) and never forms the S×S similarity matrix: two passes over the keys in
-    ``chunk``-slot pieces (float32), the first summing the unit keys, the second taking each
-    key's dot product with the sum. A zero key has similarity 0 to everything; invalid slots
-    and rows with a single valid key score 0.
+    With unit keys \(\hat k_j = k_j / \max(\lVert k_j\rVert, \epsilon)\) (``F.normalize``'s
+    definition, \(\epsilon = 10^{-12}\)) and \(n\) valid keys,
+
+    \[ \mathrm{red}_j = \frac{1}{n-1}\sum_{t \ne j} \hat k_j \cdot \hat k_t
+       = \frac{\hat k_j \cdot s - \lVert \hat k_j\rVert^2}{n - 1},
+       \qquad s = \sum_t \hat k_t . \]
+
+    In closed form from the stored keys: with \(n_j = \lVert k_j\rVert\) and
+    \(w_j = 1/\max(n_j, \epsilon)\), \(\hat k_j \cdot s = w_j\,(k_j \cdot s)\) and
+    \(\lVert \hat k_j\rVert^2 = (w_j n_j)^2\) (1 unless the key is (near) zero), and
+    \(s = \sum_t w_t k_t\). So the keys are read three times (norms, \(s\), the dot products), in
+    their own dtype with float32 accumulation, and no unit-key (or float32) copy of them is made;
+    the S×S similarity matrix is never formed. A zero key has similarity 0 to everything; invalid
+    slots and rows with a single valid key score 0. ``chunk`` is accepted for compatibility and
+    ignored (nothing S×D-sized is allocated).
 
     Shapes:
         keys ``[B, H_kv, S, D]``; valid ``[B, H_kv, S]`` bool -> ``[B, H_kv, S]`` float32.
     """
-    s = keys.shape[2]
-    total = keys.new_zeros(keys.shape[:2] + keys.shape[3:], dtype=torch.float32)
-    for lo in range(0, s, chunk):
-        total += _unit_keys(keys[:, :, lo:lo + chunk], valid[:, :, lo:lo + chunk]).sum(2)
-    n = valid.sum(-1, keepdim=True).float()
-    parts = []
-    for lo in range(0, s, chunk):
-        u = _unit_keys(keys[:, :, lo:lo + chunk], valid[:, :, lo:lo + chunk])
-        parts.append(torch.einsum("bhsd,bhd->bhs", u, total) - u.square().sum(-1))
-    red = torch.cat(parts, -1) / (n - 1).clamp(min=1)
-    return torch.where(valid, red, 0.0)
+    n, w, s = _unit_sum(keys, valid)
+    dots = matmul_f32(split_rows(s, keys.dtype), keys.transpose(-1, -2))  # [B, H, 1 or 2, S]
+    red = _redundancy_from(merge_rows(dots, 1)[:, :, 0], n, w)
+    others = valid.sum(-1, keepdim=True) - 1
+    return (red / others.clamp(min=1)).masked_fill_(others < 1, 0.0)  # one valid key: 0, not rounding
+
+
+def rkv_parts(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
+              query_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""R-KV's two raw terms with the keys read three times in all: SnapKV's votes
+    (`group_scores`) and
+    \((n-1)\) × [`key_redundancy`][sparsecorr.decoding.policies.key_redundancy] (the per-row
+    factor cancels in the min-max normalisation). The sum of unit keys \(s\) rides as extra rows
+    of the observation-window queries, so one GEMM gives the logits and every \(k_j \cdot s\).
+
+    Shapes:
+        keys ``[B, H_kv, S, D]``; queries ``[B, H_q, W, D]``; valid ``[B, H_kv, S]``;
+        query_valid ``[B, W]`` or None -> two ``[B, H_kv, S]`` float32.
+    """
+    b, hq, w, d = queries.shape
+    hkv = keys.shape[1]
+    g = hq // hkv
+    n, wt, s = _unit_sum(keys, valid)
+    # (queries of another dtype than the keys promote the rows; matmul_f32 then upcasts both)
+    rows = torch.cat([queries.reshape(b, hkv, g * w, d), split_rows(s, keys.dtype)], dim=-2)
+    out = matmul_f32(rows, keys.transpose(-1, -2))  # [B, H, G·W + 1 or 2, S]
+    votes = window_votes(out[:, :, :g * w], valid, query_valid, group=g, scale=d**-0.5)
+    red = _redundancy_from(merge_rows(out[:, :, g * w:], 1)[:, :, 0], n, wt)
+    return votes, red
 
 
 @dataclass(frozen=True)
@@ -79,7 +137,6 @@ class RKV(KVPolicy):
         check_window_policy(self)
 
     def score(self, *, keys, queries, valid, positions, query_valid=None) -> torch.Tensor:
-        imp = pool_scores(group_scores(queries, keys, valid, query_valid).masked_fill(~valid, 0.0),
-                          kernel=self.kernel, pooling="max")
-        red = key_redundancy(keys, valid)
-        return self.mix * _minmax(imp, valid) - (1.0 - self.mix) * _minmax(red, valid)
+        votes, red = rkv_parts(keys, queries, valid, query_valid)
+        imp = pool_scores(votes, kernel=self.kernel, pooling="max")
+        return mix_minmax(imp, red, valid, mix=self.mix)

@@ -24,12 +24,12 @@ def pool_scores(scores: torch.Tensor, *, kernel: int, pooling: str) -> torch.Ten
         return scores
     b, h, s = scores.shape
     x = scores.reshape(b * h, 1, s)
-    pad = kernel // 2
+    # the pooling's own padding: -inf for max, zeros (counted in the mean) for avg
     if pooling == "max":
-        y = F.max_pool1d(F.pad(x, (pad, pad), value=float("-inf")), kernel, stride=1)
+        y = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
     else:
-        y = F.avg_pool1d(F.pad(x, (pad, pad), value=0.0), kernel, stride=1)
-    return y.reshape(b, h, -1)[..., :s]
+        y = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    return y.reshape(b, h, s)
 
 
 def check_window_policy(policy: KVPolicy) -> None:
@@ -60,5 +60,6 @@ class SnapKV(KVPolicy):
         check_window_policy(self)
 
     def score(self, *, keys, queries, valid, positions, query_valid=None) -> torch.Tensor:
+        # group_scores is exactly 0 at invalid slots of any row with a valid key
         imp = group_scores(queries, keys, valid, query_valid)
-        return pool_scores(imp.masked_fill(~valid, 0.0), kernel=self.kernel, pooling=self.pooling)
+        return pool_scores(imp, kernel=self.kernel, pooling=self.pooling)

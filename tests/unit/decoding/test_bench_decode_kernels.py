@@ -1,0 +1,39 @@
+"""benchmarks/bench_decode_kernels.py --smoke runs (as a subprocess) and its counts are sane."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_decode_kernel_benchmark_smoke(tmp_path):
+    out = tmp_path / "counts.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode_kernels.py"), "--smoke",
+                          "--json", str(out)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for heading in ("eager decode step", "one compression event", "fused step (compile)", "not built yet"):
+        assert heading in run.stdout
+    res = json.loads(out.read_text())
+    step = {r["policy"]: r for r in res["step"]}
+    assert all(not r["ragged"] and not r["projection"] for r in res["step"])
+    assert {"Dense", "StreamingLLM", "SnapKV", "RKV", "BlockTopK"} <= set(step)
+    hf = {r["per_layer"]["hf"] for r in res["step"]}
+    assert len(hf) == 1 and 20 <= hf.pop() <= 80  # HF's eager Qwen3 layer: the same for every policy
+    for r in res["step"]:
+        per, once = r["per_layer"], r["once_per_step"]
+        assert per["ours"] == int(per["ours"]) and per["ours"] >= 2  # K/V write + attention at least
+        assert per["other"] == 0 and once["hf"] > 0 and once["ours"] > 0
+        assert r["per_layer_where"]  # attributed to functions
+    assert step["Dense"]["per_layer"]["ours"] <= step["SnapKV"]["per_layer"]["ours"]
+    assert step["BlockTopK"]["per_layer"]["ours"] > step["Dense"]["per_layer"]["ours"]
+    comp = {r["policy"]: r for r in res["compress"]}
+    for name in ("StreamingLLM", "SnapKV", "RKV"):
+        for device in ("cpu", "meta"):
+            c = comp[name][device]
+            assert c["ops"] > 5 and c["bytes"] > 0 and c["ratio"] > 0.5
+    assert comp["RKV"]["meta"]["ops"] >= comp["SnapKV"]["meta"]["ops"] >= comp["StreamingLLM"]["meta"]["ops"]
+    assert comp["RKV"]["meta"]["ratio"] < 20  # the closed form: no float32 copies of the keys on CUDA
