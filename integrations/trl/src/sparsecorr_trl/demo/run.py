@@ -1,18 +1,20 @@
-"""Orchestration of the demo: calibration, schedule fit, five arms x seeds, report.
+"""Orchestration of the demo: calibration, schedule fit, the crossed arms x seeds, report.
 
-The arms separate what the schedule, the correction and DistillSparse buy:
+The study crosses the sampler with the correction, so that each comparison changes one thing:
 
 | arm | sampler | correction |
 |---|---|---|
 | ``dense`` | dense | none |
-| ``sparse-uncorrected`` | aggressive fixed budget | none |
-| ``sparse-corrected`` | aggressive fixed budget | ``sparse_rl()`` |
-| ``sparse-schedule-corrected`` | fitted schedule | ``sparse_rl()`` |
-| ``sparse-distill`` | aggressive fixed budget + DistillSparse adapter | ``sparse_rl()`` |
+| ``b8/none``, ``b8/sparse_rl`` | StreamingLLM, the aggressive fixed budget | none / ``sparse_rl()`` |
+| ``b12/...``, ``b24/...`` | StreamingLLM, the fixed budgets (``DemoConfig.fixed_budgets``) | none / ``sparse_rl()`` |
+| ``schedule/none``, ``schedule/sparse_rl`` | StreamingLLM, the fitted schedule | none / ``sparse_rl()`` |
+| ``b8/sparse_rl+distill`` | the DistillSparse budget + the sampler's LoRA adapter | ``sparse_rl()`` |
 
 Every arm trains from the same shipped model (pre-trained to a partial skill by
 ``scripts/make_demo_model.py``) on the same prompts for each seed, and is evaluated on the same
-held-out prompts. The schedule is calibrated and fitted once, on the first seed.
+held-out prompts; every sparse arm's sampler is also probed on them
+([`probe_sampler`][sparsecorr_trl.demo.probe.probe_sampler]), corrected or not. The schedule is
+calibrated and fitted once, on the first seed.
 
 ``report.md`` is always written: when a step fails, it says which step and why, and keeps what
 finished before it.
@@ -34,18 +36,24 @@ from sparsecorr.schedules import calibrate, fit_schedule
 
 from .report import write_failure_report, write_report
 from .task import PROMPT_LEN, RESPONSE_LEN, demo_model, make_prompts
-from .train import Arm, train_arm
+from .train import Arm, quiet_demo, train_arm
 
-__all__ = ["ARM_NAMES", "DemoConfig", "DemoError", "demo_arms", "rerender", "run_demo"]
+__all__ = ["CORRECTIONS", "DemoConfig", "DemoError", "arm_names", "demo_arms", "demo_samplers",
+           "rerender", "run_demo"]
 
-ARM_NAMES = ("dense", "sparse-uncorrected", "sparse-corrected", "sparse-schedule-corrected",
-             "sparse-distill")
+#: the corrections crossed with every sparse sampler
+CORRECTIONS = ("none", "sparse_rl")
+DISTILL = "sparse_rl+distill"
 
 
 @dataclass(frozen=True)
 class DemoConfig:
     """Sizes of a demo run: the default is one seed (``sparsecorr demo``), ``full()`` three
-    (``--full``), ``quick()`` the smoke test (3 steps of 2 prompts x 4 rollouts, one seed)."""
+    (``--full``), ``quick()`` the smoke test (3 steps of 2 prompts x 4 rollouts, one seed).
+
+    The samplers crossed with `CORRECTIONS` are StreamingLLM (``sink=1``) at the aggressive
+    budget, at each of ``fixed_budgets`` and on the fitted schedule; DistillSparse runs at
+    ``distill_budget`` with ``sparse_rl()``."""
 
     steps: int = 24
     prompts_per_step: int = 4
@@ -54,6 +62,19 @@ class DemoConfig:
     max_new_tokens: int = RESPONSE_LEN
     budgets: tuple[int, ...] = (8, 12, 16, 24)
     aggressive_budget: int = 8
+    #: fixed budgets between the aggressive one and dense, from the calibration table: 12 is
+    #: below the task's period (15 tokens) like 8, 24 above it; the fitted schedule gives 16
+    #: over the whole response (see docs/getting-started.md)
+    fixed_budgets: tuple[int, ...] = (12, 24)
+    #: a block top-k sampler (Sparrow's selection rule, `BlockTopK`: pages of `topk_page`
+    #: tokens, the first and the last page always attended, every layer sparse) at this budget,
+    #: crossed with the correction too: it keeps the far token for some steps and not others,
+    #: so its mismatch sits between StreamingLLM's all (budgets below the period) and nothing
+    #: (above it). None: not run
+    topk_budget: int | None = 12
+    topk_page: int = 4
+    #: the sampler DistillSparse's arm uses (one of the samplers' labels)
+    distill_at: str = "topk12"
     #: the schedule's threshold on the acceptance tail. Sparrow's 0.86 keeps the later context
     #: bins dense here: this tiny model's distribution (not its answer) leans on far tokens, so
     #: the tail at budget 16-24 is 0.55-0.8 while budget 16 already answers (measured on the
@@ -63,13 +84,18 @@ class DemoConfig:
     lr: float = 3e-3
     seeds: tuple[int, ...] = (0,)
     eval_every: int = 2
+    #: probe every sparse arm's sampler every this many steps (and before and after training)
+    probe_every: int = 4
     eval_prompts: int = 32
     distill_lr: float = 1e-3
+    #: GRPO updates per rollout batch (TRL's ``num_iterations``)
+    num_iterations: int = 1
 
     @classmethod
     def quick(cls) -> DemoConfig:
         return cls(steps=3, prompts_per_step=2, group=4, max_new_tokens=16, budgets=(8, 16),
-                   bin_size=8, eval_every=1, eval_prompts=8)
+                   fixed_budgets=(16,), bin_size=8, eval_every=1, probe_every=3,
+                   eval_prompts=8)
 
     @classmethod
     def full(cls) -> DemoConfig:
@@ -84,25 +110,55 @@ class DemoError(RuntimeError):
         self.stage, self.report = stage, report
 
 
+def arm_names(cfg: DemoConfig) -> list[str]:
+    """The arms' names in the order they run (``schedule`` stands for the fitted schedule)."""
+    return [a.name for a in demo_arms(cfg, Path("schedule.json"), sink=1)]
+
+
 def demo_arms(cfg: DemoConfig, schedule_path: Path, *, sink: int) -> list[Arm]:
-    """The five arms (see the module docstring) as ``SparseCorrConfig`` keywords."""
+    """Dense, then every sampler crossed with `CORRECTIONS`, then DistillSparse (see the module
+    docstring), as ``SparseCorrConfig`` keywords; each named ``sampler/correction``."""
+    samplers = demo_samplers(cfg, schedule_path, sink=sink)
+    grpo = {"num_iterations": cfg.num_iterations} if cfg.num_iterations != 1 else {}
+    arms = [Arm("dense", {"correction": "none", "policy": "dense"}, grpo, "dense", "none")]
+    for name, sampler in samplers.items():
+        arms += [Arm(f"{name}/{c}", {"correction": c, **sampler}, grpo, name, c)
+                 for c in CORRECTIONS]
+    d = cfg.distill_at
+    if d not in samplers:
+        raise ValueError(f"distill_at: expected one of {sorted(samplers)}, got {d!r}")
+    arms.append(Arm(f"{d}/{DISTILL}", {"correction": "sparse_rl", **samplers[d], "distill": True,
+                                        "distill_lr": cfg.distill_lr}, grpo, d, DISTILL))
+    return arms
+
+
+def demo_samplers(cfg: DemoConfig, schedule_path: Path, *, sink: int) -> dict[str, dict]:
+    """Sampler label -> its ``SparseCorrConfig`` keywords: StreamingLLM ``b<budget>`` at the
+    aggressive and the fixed budgets, ``schedule``, and block top-k ``topk<budget>``."""
     sparse = {"policy": "streaming_llm", "policy_kwargs": {"sink": sink}}
-    aggressive = {**sparse, "budget": cfg.aggressive_budget}
-    return [Arm("dense", {"correction": "none", "policy": "dense"}),
-            Arm("sparse-uncorrected", {"correction": "none", **aggressive}),
-            Arm("sparse-corrected", {"correction": "sparse_rl", **aggressive}),
-            Arm("sparse-schedule-corrected", {"correction": "sparse_rl", **sparse,
-                                              "schedule": str(schedule_path)}),
-            Arm("sparse-distill", {"correction": "sparse_rl", **aggressive, "distill": True,
-                                   "distill_lr": cfg.distill_lr})]
+    samplers = {f"b{b}": {**sparse, "budget": b}
+                for b in dict.fromkeys((cfg.aggressive_budget, *cfg.fixed_budgets))}
+    samplers["schedule"] = {**sparse, "schedule": str(schedule_path)}
+    if cfg.topk_budget is not None:
+        samplers[f"topk{cfg.topk_budget}"] = {
+            "policy": "block_topk", "budget": cfg.topk_budget,
+            "policy_kwargs": {"page_size": cfg.topk_page, "keep_first_pages": 1,
+                              "keep_last_pages": 1, "dense_layers": 0}}
+    return samplers
 
 
 def run_demo(cfg: DemoConfig, out: str | Path, *, progress: bool = True) -> list[dict]:
-    """Run the demo into ``out`` (report.md, schedule.json, metrics.jsonl, PNG plots).
+    """Run the demo into ``out`` (report.md, schedule.json, metrics.jsonl, PNG plots), on one
+    torch thread and without transformers' per-load bars (`quiet_demo`).
 
     Raises:
         DemoError: a step failed; ``out / "report.md"`` names it and keeps the finished steps.
     """
+    with quiet_demo():
+        return _run_demo(cfg, out, progress=progress)
+
+
+def _run_demo(cfg: DemoConfig, out: str | Path, *, progress: bool) -> list[dict]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     done: dict = {"config": json.loads(json.dumps(asdict(cfg))), "rows": []}  # as run.json has it
@@ -141,8 +197,8 @@ def run_demo(cfg: DemoConfig, out: str | Path, *, progress: bool = True) -> list
                     rows = train_arm(arm, steps=cfg.steps, prompts_per_step=cfg.prompts_per_step,
                                      group=cfg.group, prompt_len=cfg.prompt_len,
                                      max_new_tokens=cfg.max_new_tokens, lr=cfg.lr, seed=seed,
-                                     held_out=held_out, eval_every=cfg.eval_every, bar=bar,
-                                     progress=progress)
+                                     held_out=held_out, eval_every=cfg.eval_every,
+                                     probe_every=cfg.probe_every, bar=bar, progress=progress)
                     done["rows"] += rows
                     if bar is not None and rows:
                         bar.set_postfix_str(f"seed {seed}: held-out greedy reward "
