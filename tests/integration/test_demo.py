@@ -23,6 +23,8 @@ from sparsecorr_trl.demo.plots import write_plots
 
 QUICK = demo_run.DemoConfig.quick()
 ARMS = set(demo_run.arm_names(QUICK))
+#: the quick run's sparse samplers, each run with and without sparse_rl()
+SAMPLERS = ("b8", "b16", "schedule", "topk12", "b16@24")
 PNGS = report.PNGS
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -61,8 +63,8 @@ def test_demo_quick(quick_run):
     assert {r["step"] for r in rows if r["arm"] == "dense"} == {0, 1, 2}
     by_arm = {a: [r for r in rows if r["arm"] == a] for a in ARMS}
     # the study crosses every sparse sampler with the correction: same sampler, both corrections
-    samplers = {r["sampler"] for r in rows} - {"dense"}
-    assert samplers == {"b8", "b16", "schedule", "topk12"}
+    samplers = {r["sampler"] for r in rows} - {"dense", "dense@24"}
+    assert samplers == set(SAMPLERS)
     for s in samplers:
         assert {r["correction"] for r in rows if r["sampler"] == s} >= {"none", "sparse_rl"}
     for arm in ("b8/none", "b8/sparse_rl"):
@@ -86,8 +88,12 @@ def test_demo_quick(quick_run):
     assert all(r["kl_k3"] == r["kl_k3"] and r["tokens_per_s"] > 0 for r in rows)
     peak = {a: max(r["peak_kv_bytes"] for r in rs) for a, rs in by_arm.items()}
     assert peak["b8/none"] < peak["dense"]
-    # every arm starts from the same shipped model on the same held-out prompts
-    assert len({rs[0]["dense_eval_reward_before"] for rs in by_arm.values()}) == 1
+    # every arm starts from the same shipped model on the same held-out prompts (the
+    # long-response arms answer them with 24 tokens instead of 16)
+    for long in (False, True):
+        assert len({rs[0]["dense_eval_reward_before"] for a, rs in by_arm.items()
+                    if ("@24" in a) == long}) == 1
+    assert {len({r["step"] for r in rs}) for rs in by_arm.values()} == {3}
     schedule = BudgetSchedule.load(out / "schedule.json")
     assert len(schedule.budgets) >= 1
     text = (out / "report.md").read_text()
@@ -142,7 +148,7 @@ def test_quick_report_comes_from_metrics_jsonl(quick_run):
             assert f"| {sum(probes) / len(probes):.3f} |" in line
         assert f"{before:.3f} -> {after:.3f}" in printed
     # the correction table: per sampler, uncorrected and corrected finals and their difference
-    for s in ("b8", "b16", "schedule", "topk12"):
+    for s in SAMPLERS:
         (diff,) = _paired_diff(rows, f"{s}/sparse_rl", f"{s}/none")
         line = next(ln for ln in text.splitlines() if ln.startswith(f"| {s} |"))
         assert line.startswith(f"| {s} | {first[s + '/none'][1]:.3f} | "
@@ -167,10 +173,11 @@ def test_quick_report_comes_from_metrics_jsonl(quick_run):
     assert checked[2][1] == (d1 - u1 > report.ONE_SEED_MARGIN)
     assert f"{d0:.3f} to {d1:.3f}" in checked[0][2]
     m = report.ONE_SEED_MARGIN
-    rescued = [s for s in ("b8", "b16", "schedule", "topk12")
-               if d1 - first[f"{s}/none"][1] > m and d1 - first[f"{s}/sparse_rl"][1] <= m
-               and _paired_diff(rows, f"{s}/sparse_rl", f"{s}/none")[0] > m
-               and by[f"{s}/none"]["reward_first"] >= report.FAIL_FRACTION * by["dense"]["reward_first"]]
+    dense_final = {s: first["dense@24" if "@24" in s else "dense"][1] for s in SAMPLERS}
+    rescued = [s for s in SAMPLERS
+               if dense_final[s] - first[f"{s}/none"][1] > m
+               and dense_final[s] - first[f"{s}/sparse_rl"][1] <= m
+               and _paired_diff(rows, f"{s}/sparse_rl", f"{s}/none")[0] > m]
     assert checked[3][1] == bool(rescued)
     dis = [r for r in rows if r["arm"] == "topk12/sparse_rl+distill" and "probe_accept_q05" in r]
     lift = sum(r["probe_accept_q05"] - r["probe_accept_q05_noadapter"] for r in dis) / len(dis)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import mean
 
+from .verdicts import dense_of
+
 __all__ = ["PNGS", "style", "write_plots"]
 
 PNGS = ("calibration.png", "curves.png", "mismatch.png", "memory_speed.png")
@@ -25,7 +27,7 @@ _LINES = {"none": "--", "sparse_rl": "-", "sparse_rl+distill": (0, (1, 1.5))}
 
 def style(arm: str, sampler: str, correction: str, samplers: list[str]) -> dict:
     """One look per arm: the colour and marker name the sampler, the line the correction."""
-    if sampler == "dense":
+    if sampler.startswith("dense"):
         return {"color": "#333333", "marker": "o", "linestyle": "-"}
     i = samplers.index(sampler) if sampler in samplers else len(samplers)
     return {"color": _PALETTE[i % len(_PALETTE)], "marker": _MARKERS[i % len(_MARKERS)],
@@ -94,7 +96,7 @@ def _draw(ax, rows: list[dict], arms: list[str], key: str, *, before: str | None
     """Each arm's series of ``key``; DistillSparse's also with its adapter off (the probe's
     ``..._noadapter`` keys), in grey."""
     labels = _labels(rows)
-    samplers = list(dict.fromkeys(s for s, _ in labels.values() if s != "dense"))
+    samplers = list(dict.fromkeys(s for s, _ in labels.values() if not s.startswith("dense")))
     for arm in arms:
         st = style(arm, *labels[arm], samplers)
         series = [(key, before, arm, st)]
@@ -117,12 +119,14 @@ def _band(rows: list[dict]) -> str:
 
 
 def _per_sampler(rows: list[dict]) -> dict[str, list[str]]:
-    """sampler -> its arms (dense is added to every column by the callers)."""
+    """sampler -> its arms, its dense arm first (``dense``, or ``dense@T`` for the
+    long-response samplers)."""
+    labels = _labels(rows)
     out: dict[str, list[str]] = {}
-    for arm, (sampler, _) in _labels(rows).items():
-        if sampler != "dense":
-            out.setdefault(sampler, []).append(arm)
-    return out or {"dense": []}
+    for arm, (sampler, _) in labels.items():
+        if not sampler.startswith("dense"):
+            out.setdefault(sampler, [a for a in (dense_of(sampler),) if a in labels]).append(arm)
+    return out or {"dense": [a for a in labels if a == "dense"]}
 
 
 def _grid(path: Path, rows: list[dict], panels: list[tuple[str, str | None, str, tuple]],
@@ -131,13 +135,12 @@ def _grid(path: Path, rows: list[dict], panels: list[tuple[str, str | None, str,
     import matplotlib.pyplot as plt
 
     cols = _per_sampler(rows)
-    dense = [a for a, (s, _) in _labels(rows).items() if s == "dense"]
     fig, ax = plt.subplots(len(panels), len(cols), figsize=(3.6 * len(cols), 3.1 * len(panels)),
                            squeeze=False, sharey="row")
     for j, (sampler, arms) in enumerate(cols.items()):
         for i, (key, before, ylabel, ylim) in enumerate(panels):
             a = ax[i][j]
-            _draw(a, rows, [*dense, *arms], key, before=before)
+            _draw(a, rows, arms, key, before=before)
             if ylim:
                 a.set_ylim(*ylim)
             a.set(xlabel="optimizer steps done", ylabel=ylabel if j == 0 else None,
@@ -169,16 +172,18 @@ def _memory_speed_plot(path: Path, summ: list[dict]) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 0.45 * len(summ) + 1.6))
     names = [s["arm"] for s in summ]
-    samplers = list(dict.fromkeys(s["sampler"] for s in summ if s["sampler"] != "dense"))
+    samplers = list(dict.fromkeys(s["sampler"] for s in summ
+                                  if not s["sampler"].startswith("dense")))
     colors = [style(s["arm"], s["sampler"], s["correction"], samplers)["color"] for s in summ]
-    dense = next((s["peak_kv_bytes"] for s in summ if s["sampler"] == "dense"), None)
+    dense = {s["arm"]: s["peak_kv_bytes"] for s in summ if s["sampler"].startswith("dense")}
     kib = [s["peak_kv_bytes"] / 1024 for s in summ]
     ax[0].barh(names, kib, color=colors)
-    if dense:
-        for i, s in enumerate(summ):
-            ax[0].annotate(f"{100 * s['peak_kv_bytes'] / dense:.0f}% of dense", (kib[i], i),
-                           xytext=(4, 0), textcoords="offset points", va="center")
-        ax[0].set_xlim(0, max(kib) * 1.35)
+    for i, s in enumerate(summ):
+        ref = dense.get(dense_of(s["sampler"]))
+        if ref:
+            ax[0].annotate(f"{100 * s['peak_kv_bytes'] / ref:.0f}% of {dense_of(s['sampler'])}",
+                           (kib[i], i), xytext=(4, 0), textcoords="offset points", va="center")
+    ax[0].set_xlim(0, max(kib) * 1.45)
     ax[0].set(xlabel="peak KV cache during rollouts (KiB)", title="KV memory")
     ax[1].barh(names, [s["tokens_per_s"] for s in summ], color=colors)
     ax[1].set(xlabel="generated tokens/s, wall clock (warm-up excluded)",

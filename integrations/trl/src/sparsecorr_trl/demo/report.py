@@ -26,6 +26,7 @@ from .verdicts import (
     ONE_SEED_MARGIN,
     claims,
     correction_effects,
+    dense_of,
     distill_effect,
     interval,
     pm,
@@ -161,16 +162,17 @@ def _pct(x: float) -> str:
 def summary_table(summ: list[dict]) -> str:
     """Markdown table: one row per arm, mean ± spread over seeds."""
     lines = ["| arm | seeds | held-out greedy reward before -> after | gain | sampled reward "
-             "(last half) | peak KV bytes (% of dense) | acceptance 5% tail (probe) | "
+             "(last half) | peak KV bytes (% of its dense arm) | acceptance 5% tail (probe) | "
              "band-rejected tokens (probe) | kept tokens (trainer) | tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    dense = next((s["peak_kv_bytes"] for s in summ if s["sampler"] == "dense"), _NAN)
+    dense = {s["arm"]: s["peak_kv_bytes"] for s in summ if s["sampler"].startswith("dense")}
     for s in summ:
+        ref = dense.get(dense_of(s["sampler"]), _NAN)
         lines.append(
             f"| {s['arm']} | {len(s['seeds'])} | {pm(s['dense_before'], s['dense_before_sd'])} -> "
             f"{pm(s['dense_after'], s['dense_after_sd'])} | {pm(s['gain'], s['gain_sd'])} | "
             f"{pm(s['reward_last_half'], s['reward_last_half_sd'])} | {s['peak_kv_bytes']:.0f} "
-            f"({100 * s['peak_kv_bytes'] / dense:.0f}%) | {pm(s['p_accept'], s['p_accept_sd'])} | "
+            f"({100 * s['peak_kv_bytes'] / ref:.0f}%) | {pm(s['p_accept'], s['p_accept_sd'])} | "
             f"{_pct(s['p_rejected'])} | {_pct(s['kept_frac'])} | {s['tokens_per_s']:.0f} |")
     return "\n".join(lines)
 

@@ -66,15 +66,21 @@ class DemoConfig:
     #: below the task's period (15 tokens) like 8, 24 above it; the fitted schedule gives 16
     #: over the whole response (see docs/getting-started.md)
     fixed_budgets: tuple[int, ...] = (12, 24)
-    #: a block top-k sampler (Sparrow's selection rule, `BlockTopK`: pages of `topk_page`
-    #: tokens, the first and the last page always attended, every layer sparse) at this budget,
-    #: crossed with the correction too: it keeps the far token for some steps and not others,
-    #: so its mismatch sits between StreamingLLM's all (budgets below the period) and nothing
-    #: (above it). None: not run
-    topk_budget: int | None = 12
+    #: block top-k samplers (Sparrow's selection rule, `BlockTopK`: pages of `topk_page`
+    #: tokens, the first and the last page always attended, every layer sparse) at these
+    #: budgets, crossed with the correction too: the kept pages follow the query, so the far
+    #: token is kept at some steps and not others, and the mismatch sits between StreamingLLM's
+    #: all (budgets below the period) and little (above it)
+    topk_budgets: tuple[int, ...] = (8, 12)
     topk_page: int = 4
     #: the sampler DistillSparse's arm uses (one of the samplers' labels)
-    distill_at: str = "topk12"
+    distill_at: str = "topk8"
+    #: longer responses: a dense arm and StreamingLLM at ``long_budgets`` (crossed with the
+    #: correction) generate this many tokens (and are evaluated at that length); the mismatch
+    #: of a fixed budget grows with the context (the calibrated tail falls from bin to bin).
+    #: None: not run
+    long_tokens: int | None = 64
+    long_budgets: tuple[int, ...] = (16,)
     #: the schedule's threshold on the acceptance tail. Sparrow's 0.86 keeps the later context
     #: bins dense here: this tiny model's distribution (not its answer) leans on far tokens, so
     #: the tail at budget 16-24 is 0.55-0.8 while budget 16 already answers (measured on the
@@ -94,8 +100,8 @@ class DemoConfig:
     @classmethod
     def quick(cls) -> DemoConfig:
         return cls(steps=3, prompts_per_step=2, group=4, max_new_tokens=16, budgets=(8, 16),
-                   fixed_budgets=(16,), bin_size=8, eval_every=1, probe_every=3,
-                   eval_prompts=8)
+                   fixed_budgets=(16,), topk_budgets=(12,), distill_at="topk12",
+                   long_tokens=24, bin_size=8, eval_every=1, probe_every=3, eval_prompts=8)
 
     @classmethod
     def full(cls) -> DemoConfig:
@@ -129,6 +135,13 @@ def demo_arms(cfg: DemoConfig, schedule_path: Path, *, sink: int) -> list[Arm]:
         raise ValueError(f"distill_at: expected one of {sorted(samplers)}, got {d!r}")
     arms.append(Arm(f"{d}/{DISTILL}", {"correction": "sparse_rl", **samplers[d], "distill": True,
                                         "distill_lr": cfg.distill_lr}, grpo, d, DISTILL))
+    if cfg.long_tokens is not None:
+        t, sparse = cfg.long_tokens, {"policy": "streaming_llm", "policy_kwargs": {"sink": sink}}
+        arms.append(Arm(f"dense@{t}", {"correction": "none", "policy": "dense"}, grpo,
+                        f"dense@{t}", "none", t))
+        for b in cfg.long_budgets:
+            arms += [Arm(f"b{b}@{t}/{c}", {"correction": c, **sparse, "budget": b}, grpo,
+                         f"b{b}@{t}", c, t) for c in CORRECTIONS]
     return arms
 
 
@@ -139,9 +152,9 @@ def demo_samplers(cfg: DemoConfig, schedule_path: Path, *, sink: int) -> dict[st
     samplers = {f"b{b}": {**sparse, "budget": b}
                 for b in dict.fromkeys((cfg.aggressive_budget, *cfg.fixed_budgets))}
     samplers["schedule"] = {**sparse, "schedule": str(schedule_path)}
-    if cfg.topk_budget is not None:
-        samplers[f"topk{cfg.topk_budget}"] = {
-            "policy": "block_topk", "budget": cfg.topk_budget,
+    for b in cfg.topk_budgets:
+        samplers[f"topk{b}"] = {
+            "policy": "block_topk", "budget": b,
             "policy_kwargs": {"page_size": cfg.topk_page, "keep_first_pages": 1,
                               "keep_last_pages": 1, "dense_layers": 0}}
     return samplers
@@ -196,7 +209,8 @@ def _run_demo(cfg: DemoConfig, out: str | Path, *, progress: bool) -> list[dict]
                         bar.set_postfix_str(f"seed {seed}")
                     rows = train_arm(arm, steps=cfg.steps, prompts_per_step=cfg.prompts_per_step,
                                      group=cfg.group, prompt_len=cfg.prompt_len,
-                                     max_new_tokens=cfg.max_new_tokens, lr=cfg.lr, seed=seed,
+                                     max_new_tokens=arm.max_new_tokens or cfg.max_new_tokens,
+                                     lr=cfg.lr, seed=seed,
                                      held_out=held_out, eval_every=cfg.eval_every,
                                      probe_every=cfg.probe_every, bar=bar, progress=progress)
                     done["rows"] += rows

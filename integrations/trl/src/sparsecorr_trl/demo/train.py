@@ -40,13 +40,16 @@ class Arm:
     """A training arm: a name, the ``SparseCorrConfig`` keywords it trains with, extra
     ``GRPOConfig`` keywords (e.g. ``{"num_iterations": 2}``) and the labels the report groups
     by: ``sampler`` (``"dense"``, ``"b8"``, ``"schedule"`` ...) and ``correction``
-    (``"none"``, ``"sparse_rl"``, ``"sparse_rl+distill"``)."""
+    (``"none"``, ``"sparse_rl"``, ``"sparse_rl+distill"``); ``max_new_tokens`` overrides the
+    run's response length (the long-response arms)."""
 
     name: str
     config: dict[str, Any]
     grpo: dict[str, Any] = field(default_factory=dict)
     sampler: str = ""
     correction: str = ""
+    #: response length of this arm (None: the run's)
+    max_new_tokens: int | None = None
 
 
 def _trl():

@@ -18,7 +18,7 @@ import math
 from statistics import mean, stdev
 
 __all__ = ["CLEAR_GAIN", "FAIL_FRACTION", "KV_FRACTION", "ONE_SEED_MARGIN", "REGIMES", "claims",
-           "correction_effects", "distill_effect", "interval", "pm", "spread"]
+           "correction_effects", "dense_of", "distill_effect", "interval", "pm", "spread"]
 
 #: dense GRPO must raise the held-out greedy reward by more than this (and than twice the
 #: spread of its gain over seeds) for the first claim
@@ -30,8 +30,11 @@ KV_FRACTION = 0.5
 #: a sampler whose sampled reward at step 1 (same shipped model for every arm) is below this
 #: fraction of dense's fails outright
 FAIL_FRACTION = 0.5
-#: what a sampler's pair of arms shows, see `correction_effects`
-REGIMES = ("fails outright", "harmless", "rescued", "rescued, not resolved", "both below dense")
+#: what a sampler's pair of arms shows (see `correction_effects`): uncorrected not measurably
+#: below dense (harmless); uncorrected below, corrected not (rescued, if the seeds resolve their
+#: difference); both below (the sampler fails outright when its sampled reward at step 1 is
+#: below `FAIL_FRACTION` of dense's)
+REGIMES = ("harmless", "rescued", "rescued, not resolved", "fails outright", "both below dense")
 #: t_{0.975, df} for df = 1..30 (larger df: 1.96)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
@@ -95,42 +98,51 @@ def _paired(by: dict, a: str, b: str, key: str, op) -> list[float]:
     return [op(pa[s][key], pb[s][key]) for s in pa if s in pb]
 
 
+def dense_of(sampler: str) -> str:
+    """The dense arm a sampler is compared with: ``dense``, or ``dense@T`` for a sampler of
+    the long-response arms (``b16@64``)."""
+    return f"dense@{sampler.split('@', 1)[1]}" if "@" in sampler else "dense"
+
+
 def _vs_dense(by: dict, arm: str) -> str:
-    """'below' / 'above' dense by more than the two arms' spread, else 'within'."""
-    tol, _ = spread(by, "dense", arm)
-    diff = by[arm]["dense_after"] - by["dense"]["dense_after"]
+    """'below' / 'above' its dense arm by more than the two arms' spread, else 'within'."""
+    dense = dense_of(by[arm]["sampler"])
+    tol, _ = spread(by, dense, arm)
+    diff = by[arm]["dense_after"] - by[dense]["dense_after"]
     return "below" if diff < -tol else "above" if diff > tol else "within"
 
 
+def _fails(by: dict, unc: dict) -> bool:
+    return unc["reward_first"] < FAIL_FRACTION * by[dense_of(unc["sampler"])]["reward_first"]
+
+
 def _regime(by: dict, unc: dict, cor_vs: str, unc_vs: str, resolved: int) -> str:
-    if unc["reward_first"] < FAIL_FRACTION * by["dense"]["reward_first"]:
-        return "fails outright"
     if unc_vs != "below":
         return "harmless"
     if cor_vs != "below":
         return "rescued" if resolved > 0 else "rescued, not resolved"
-    return "both below dense"
+    return "fails outright" if _fails(by, unc) else "both below dense"
 
 
 def _regime_text(regime: str, by: dict, unc: dict) -> str:
-    d = by["dense"]
+    d = by[dense_of(unc["sampler"])]
     mm = (f"acceptance 5% tail {unc['p_accept']:.3f}, band rejects "
           f"{100 * unc['p_rejected']:.1f}% of tokens, {100 * unc['p_vetoed']:.1f}% of sequences "
           f"vetoed, ESS {unc['p_ess']:.3f}")
     return {
-        "fails outright": f"the sampler fails outright: its sampled reward at step 1 is "
-                          f"{unc['reward_first']:.3f}, below {FAIL_FRACTION} of dense's "
-                          f"{d['reward_first']:.3f} on the same model, so its rollouts rarely "
-                          f"hold the answer, and a correction can reweight or drop them but "
-                          f"not supply it ({mm})",
+        "fails outright": f"both end below dense, and the sampler fails outright: its "
+                          f"sampled reward at step 1 is {unc['reward_first']:.3f}, below "
+                          f"{FAIL_FRACTION} of dense's {d['reward_first']:.3f} on the same "
+                          f"model, so its rollouts rarely hold the answer, and a correction can "
+                          f"reweight or drop them but not supply it ({mm})",
         "harmless": f"uncorrected training is not measurably below dense: this sampler's "
                     f"mismatch ({mm}) did not bias training enough to show",
         "rescued": "uncorrected training ends below dense, corrected training does not, and "
                    "the seeds resolve the difference: the regime Sparse-RL describes",
         "rescued, not resolved": "uncorrected training ends below dense and corrected training "
                                  "does not, but the seeds do not resolve their difference",
-        "both below dense": f"both end below dense: the correction does not rescue this "
-                            f"sampler ({mm})",
+        "both below dense": f"both end below dense: the correction does not bring this "
+                            f"sampler to dense's level ({mm})",
     }[regime]
 
 
@@ -140,12 +152,10 @@ def correction_effects(by: dict[str, dict]) -> list[dict]:
     uncorrected: ``diff``, ``diff_sd``, ``lo``, ``hi``, ``resolved`` in {+1, 0, -1}), each arm
     against dense (``unc_vs_dense``, ``cor_vs_dense``: below / within / above) and the regime
     (one of `REGIMES`), with the sentences the report prints."""
-    if "dense" not in by:
-        return []
     out = []
     for sampler in dict.fromkeys(s["sampler"] for s in by.values()):
         ua, ca = f"{sampler}/none", f"{sampler}/sparse_rl"
-        if ua not in by or ca not in by:
+        if ua not in by or ca not in by or dense_of(sampler) not in by:
             continue
         unc, cor = by[ua], by[ca]
         m, sd, lo, hi = interval(_paired(by, ca, ua, "dense_after", lambda a, b: a - b))
@@ -278,9 +288,10 @@ def _why_not(by: dict, effects: list[dict], period: int) -> str:
         names = ", ".join(e["sampler"] for e in fails)
         worst = max(by[e["unc_arm"]]["reward_first"] for e in fails)
         short = [e["sampler"] for e in fails if (_budget(e["sampler"]) or period) < period]
+        dense = min(by[dense_of(e["sampler"])]["reward_first"] for e in fails)
         parts.append(
             f"{names} fail{'s' if len(fails) == 1 else ''} outright (sampled reward at step 1 at "
-            f"most {worst:.3f} against dense's {by['dense']['reward_first']:.3f})"
+            f"most {worst:.3f} against dense's {dense:.3f})"
             + (f"; {', '.join(short)} {'is a' if len(short) == 1 else 'are'} StreamingLLM "
                f"budget{'' if len(short) == 1 else 's'} below the task's period: every answer "
                f"token recites the token {period} positions back, which such a budget has "
