@@ -4,10 +4,14 @@ report, the plots, failure reporting and the messages when something is missing.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
+import re
+import shutil
 import warnings
 from importlib.metadata import entry_points
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -389,3 +393,29 @@ def test_shipped_model_has_a_partial_skill_that_eviction_hurts():
                          temperature=0.0, max_new_tokens=cfg.max_new_tokens, logprobs_topk=0)
     sparse = float(recall_reward(held_out, batch.tokens, batch.mask).mean())
     assert sparse < dense / 2
+
+
+ROOT = Path(__file__).resolve().parents[2]
+FULL_RUN = ROOT / "docs" / "assets" / "demo" / "full-run"
+
+
+def test_docs_full_run_is_rebuilt_from_its_shipped_metrics(tmp_path):
+    """docs/getting-started.md's `--full` run: every table row, every claim and every number
+    with two or more decimals in that section is what the report code computes from the run's
+    shipped files (docs/assets/demo/full-run: metrics.jsonl.gz, calibration.json,
+    schedule.json, run.json), rebuilt here with ``--report-only``."""
+    for name in ("calibration.json", "schedule.json", "run.json"):
+        shutil.copy(FULL_RUN / name, tmp_path / name)
+    (tmp_path / "metrics.jsonl").write_bytes(gzip.decompress((FULL_RUN / "metrics.jsonl.gz").read_bytes()))
+    assert json.loads((tmp_path / "run.json").read_text())["config"]["seeds"] == [0, 1, 2]
+    assert main(["demo", "--report-only", "--out", str(tmp_path)]) == 0
+    rebuilt = (tmp_path / "report.md").read_text()
+    docs = (ROOT / "docs" / "getting-started.md").read_text()
+    section = docs[docs.index("### One `--full` run"):]
+    tables = [ln for ln in section.splitlines() if ln.startswith("|")]
+    claimed = [ln for ln in section.splitlines() if ln.startswith("- **")]
+    assert len(tables) > 20 and len(claimed) == 5
+    for line in tables + claimed:
+        assert line in rebuilt, line
+    for number in re.findall(r"(?<![\w.])[-+]?\d+\.\d{2,}", section):
+        assert number in rebuilt, number

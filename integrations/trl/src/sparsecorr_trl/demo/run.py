@@ -8,7 +8,9 @@ The study crosses the sampler with the correction, so that each comparison chang
 | ``b8/none``, ``b8/sparse_rl`` | StreamingLLM, the aggressive fixed budget | none / ``sparse_rl()`` |
 | ``b12/...``, ``b24/...`` | StreamingLLM, the fixed budgets (``DemoConfig.fixed_budgets``) | none / ``sparse_rl()`` |
 | ``schedule/none``, ``schedule/sparse_rl`` | StreamingLLM, the fitted schedule | none / ``sparse_rl()`` |
-| ``b8/sparse_rl+distill`` | the DistillSparse budget + the sampler's LoRA adapter | ``sparse_rl()`` |
+| ``topk8/...``, ``topk12/...`` | block top-k (``DemoConfig.topk_budgets``) | none / ``sparse_rl()`` |
+| ``topk8/sparse_rl+distill`` | ``DemoConfig.distill_at`` + the sampler's LoRA adapter | ``sparse_rl()`` |
+| ``dense@64``, ``b16@64/...`` | longer responses (``long_tokens``): dense, StreamingLLM 16 | none / ``sparse_rl()`` |
 
 Every arm trains from the same shipped model (pre-trained to a partial skill by
 ``scripts/make_demo_model.py``) on the same prompts for each seed, and is evaluated on the same
@@ -174,67 +176,82 @@ def run_demo(cfg: DemoConfig, out: str | Path, *, progress: bool = True) -> list
 def _run_demo(cfg: DemoConfig, out: str | Path, *, progress: bool) -> list[dict]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    done: dict = {"config": json.loads(json.dumps(asdict(cfg))), "rows": []}  # as run.json has it
-    stage = "calibration"
+    done: dict = {"config": json.loads(json.dumps(asdict(cfg))), "rows": [],  # as run.json has it
+                  "arm_s": {}, "stage": "calibration"}
     try:
-        seed0 = cfg.seeds[0]
-        torch.manual_seed(seed0)
-        policy = StreamingLLM(sink=1)
-        t0 = time.perf_counter()
-        table = calibrate(demo_model(seed0).eval(), make_prompts(4, cfg.prompt_len, seed=seed0 + 7),
-                          policy=policy, budgets=list(cfg.budgets), bin_size=cfg.bin_size,
-                          n_bins=max(1, (cfg.prompt_len + cfg.max_new_tokens) // cfg.bin_size + 1),
-                          max_new_tokens=cfg.max_new_tokens, seed=seed0, progress=progress)
-        stage = "schedule fit"
-        with warnings.catch_warnings(record=True) as caught:  # notes go into the report
-            warnings.simplefilter("always")
-            schedule = fit_schedule(table, tau=cfg.tau)
-        notes = [str(w.message) for w in caught]
-        for note in notes:
-            print(f"[demo] {note}", flush=True)
-        schedule.save(out / "schedule.json")
-        table.save(out / "calibration.json")
-        done.update(table=table, schedule=schedule, calib_s=time.perf_counter() - t0)
-        arms = demo_arms(cfg, out / "schedule.json", sink=policy.sink)
+        table, schedule, notes = _calibrate(cfg, out, done, progress=progress)
+        arms = demo_arms(cfg, out / "schedule.json", sink=1)
         held_out = make_prompts(cfg.eval_prompts, cfg.prompt_len, seed=99_991)
         t_train = time.perf_counter()
         for i, arm in enumerate(arms):
-            stage = f"training arm {arm.name}"
-            bar = _bar(f"arm {i + 1}/{len(arms)} {arm.name}", len(cfg.seeds) * cfg.steps,
-                       progress)
-            try:
-                for seed in cfg.seeds:
-                    stage = f"training arm {arm.name} (seed {seed})"
-                    if bar is not None:
-                        bar.set_postfix_str(f"seed {seed}")
-                    rows = train_arm(arm, steps=cfg.steps, prompts_per_step=cfg.prompts_per_step,
-                                     group=cfg.group, prompt_len=cfg.prompt_len,
-                                     max_new_tokens=arm.max_new_tokens or cfg.max_new_tokens,
-                                     lr=cfg.lr, seed=seed,
-                                     held_out=held_out, eval_every=cfg.eval_every,
-                                     probe_every=cfg.probe_every, bar=bar, progress=progress)
-                    done["rows"] += rows
-                    if bar is not None and rows:
-                        bar.set_postfix_str(f"seed {seed}: held-out greedy reward "
-                                            f"{rows[0]['dense_eval_reward_before']:.3f} -> "
-                                            f"{rows[-1]['dense_eval_reward']:.3f}")
-            finally:
-                if bar is not None:
-                    bar.close()
+            _train_seeds(cfg, arm, f"arm {i + 1}/{len(arms)} {arm.name}", held_out, done,
+                         progress=progress)
         done["train_s"] = time.perf_counter() - t_train
-        stage = "writing metrics and report"
+        done["stage"] = "writing metrics and report"
         atomic_write_text(out / "metrics.jsonl",
                           "".join(json.dumps(r) + "\n" for r in done["rows"]))
         atomic_write_text(out / "run.json", json.dumps(
             {"config": done["config"], "calib_s": done["calib_s"], "train_s": done["train_s"],
-             "notes": notes}, indent=1))
+             "arm_s": done["arm_s"], "notes": notes}, indent=1))
         write_report(out, rows=done["rows"], table=table, schedule=schedule,
                      config=done["config"], calib_s=done["calib_s"], train_s=done["train_s"],
                      notes=notes)
     except Exception as exc:
-        report = write_failure_report(out, stage=stage, error=exc, done=done)
-        raise DemoError(stage, report, exc) from exc
+        report = write_failure_report(out, stage=done["stage"], error=exc, done=done)
+        raise DemoError(done["stage"], report, exc) from exc
     return done["rows"]
+
+
+def _calibrate(cfg: DemoConfig, out: Path, done: dict, *, progress: bool):
+    """Calibrate StreamingLLM (``sink=1``) on the first seed's model and fit the schedule;
+    write ``schedule.json`` and ``calibration.json``. Returns ``(table, schedule, notes)``."""
+    seed0 = cfg.seeds[0]
+    torch.manual_seed(seed0)
+    t0 = time.perf_counter()
+    table = calibrate(demo_model(seed0).eval(), make_prompts(4, cfg.prompt_len, seed=seed0 + 7),
+                      policy=StreamingLLM(sink=1), budgets=list(cfg.budgets),
+                      bin_size=cfg.bin_size,
+                      n_bins=max(1, (cfg.prompt_len + cfg.max_new_tokens) // cfg.bin_size + 1),
+                      max_new_tokens=cfg.max_new_tokens, seed=seed0, progress=progress)
+    done["stage"] = "schedule fit"
+    with warnings.catch_warnings(record=True) as caught:  # notes go into the report
+        warnings.simplefilter("always")
+        schedule = fit_schedule(table, tau=cfg.tau)
+    notes = [str(w.message) for w in caught]
+    for note in notes:
+        print(f"[demo] {note}", flush=True)
+    schedule.save(out / "schedule.json")
+    table.save(out / "calibration.json")
+    done.update(table=table, schedule=schedule, calib_s=time.perf_counter() - t0)
+    return table, schedule, notes
+
+
+def _train_seeds(cfg: DemoConfig, arm: Arm, desc: str, held_out: torch.Tensor, done: dict, *,
+                 progress: bool) -> None:
+    """Train ``arm`` on every seed; its rows go into ``done["rows"]``, its wall time into
+    ``done["arm_s"]``."""
+    done["stage"] = f"training arm {arm.name}"
+    bar = _bar(desc, len(cfg.seeds) * cfg.steps, progress)
+    t0 = time.perf_counter()
+    try:
+        for seed in cfg.seeds:
+            done["stage"] = f"training arm {arm.name} (seed {seed})"
+            if bar is not None:
+                bar.set_postfix_str(f"seed {seed}")
+            rows = train_arm(arm, steps=cfg.steps, prompts_per_step=cfg.prompts_per_step,
+                             group=cfg.group, prompt_len=cfg.prompt_len,
+                             max_new_tokens=arm.max_new_tokens or cfg.max_new_tokens, lr=cfg.lr,
+                             seed=seed, held_out=held_out, eval_every=cfg.eval_every,
+                             probe_every=cfg.probe_every, bar=bar, progress=progress)
+            done["rows"] += rows
+            if bar is not None and rows:
+                bar.set_postfix_str(f"seed {seed}: held-out greedy reward "
+                                    f"{rows[0]['dense_eval_reward_before']:.3f} -> "
+                                    f"{rows[-1]['dense_eval_reward']:.3f}")
+    finally:
+        done["arm_s"][arm.name] = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
 
 
 def rerender(out: str | Path) -> None:
