@@ -130,19 +130,23 @@ def _regime_text(regime: str, by: dict, unc: dict) -> str:
           f"{100 * unc['p_rejected']:.1f}% of tokens, {100 * unc['p_vetoed']:.1f}% of sequences "
           f"vetoed, ESS {unc['p_ess']:.3f}")
     return {
-        "fails outright": f"both end below dense, and the sampler fails outright: its "
+        "fails outright": f"both end below {dense_of(unc['sampler'])}, and the sampler fails "
+                          f"outright: its "
                           f"sampled reward at step 1 is {unc['reward_first']:.3f}, below "
                           f"{FAIL_FRACTION} of dense's {d['reward_first']:.3f} on the same "
                           f"model, so its rollouts rarely hold the answer, and a correction can "
                           f"reweight or drop them but not supply it ({mm})",
-        "harmless": f"uncorrected training is not measurably below dense: this sampler's "
+        "harmless": f"uncorrected training is not measurably below "
+                    f"{dense_of(unc['sampler'])}: this sampler's "
                     f"mismatch ({mm}) did not bias training enough to show",
-        "rescued": "uncorrected training ends below dense, corrected training does not, and "
-                   "the seeds resolve the difference: the regime Sparse-RL describes",
-        "rescued, not resolved": "uncorrected training ends below dense and corrected training "
-                                 "does not, but the seeds do not resolve their difference",
-        "both below dense": f"both end below dense: the correction does not bring this "
-                            f"sampler to dense's level ({mm})",
+        "rescued": f"uncorrected training ends below {dense_of(unc['sampler'])}, corrected "
+                   f"training does not, and the seeds resolve the difference: the regime "
+                   f"Sparse-RL describes ({mm})",
+        "rescued, not resolved": f"uncorrected training ends below {dense_of(unc['sampler'])} "
+                                 f"and corrected training does not, but the seeds do not "
+                                 f"resolve their difference ({mm})",
+        "both below dense": f"both end below {dense_of(unc['sampler'])}: the correction does "
+                            f"not bring this sampler to that level ({mm})",
     }[regime]
 
 
@@ -318,15 +322,16 @@ def _correction_rescues(by: dict, period: int) -> tuple[str, bool | None, str]:
     if not effects:
         return ("correction rescues a sampler", None, "No sampler ran with and without the "
                                                       "correction.")
-    per = "; ".join(f"{e['sampler']}: {e['regime']} (difference {pm(e['diff'], e['diff_sd'], signed=True)}, "
-                    f"uncorrected {e['unc_vs_dense']} dense, corrected {e['cor_vs_dense']} dense)"
-                    for e in effects)
+    per = "; ".join(f"{e['sampler']}: {e['regime']} (difference "
+                    f"{pm(e['diff'], e['diff_sd'], signed=True)}, uncorrected {e['unc_vs_dense']} "
+                    f"{dense_of(e['sampler'])}, corrected {e['cor_vs_dense']} "
+                    f"{dense_of(e['sampler'])})" for e in effects)
     rescued = [e["sampler"] for e in effects if e["regime"] == "rescued"]
     if rescued:
         return ("correction rescues a sampler", True,
-                f"With {', '.join(rescued)}, uncorrected training ends measurably below dense, "
-                f"sparse_rl() training does not, and the seeds resolve the difference. Per "
-                f"sampler: {per}.")
+                f"With {', '.join(rescued)}, uncorrected training ends measurably below its "
+                f"dense arm, sparse_rl() training does not, and the seeds resolve the "
+                f"difference. Per sampler: {per}.")
     return ("correction rescues a sampler", False,
             f"No sampler shows the regime Sparse-RL describes (uncorrected training measurably "
             f"below dense, corrected not, the difference resolved by the seeds). Per sampler: "
