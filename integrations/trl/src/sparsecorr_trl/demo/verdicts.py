@@ -124,7 +124,7 @@ def _regime(by: dict, unc: dict, cor_vs: str, unc_vs: str, resolved: int) -> str
     return "fails outright" if _fails(by, unc) else "both below dense"
 
 
-def _regime_text(regime: str, by: dict, unc: dict) -> str:
+def _regime_text(regime: str, by: dict, unc: dict, *, one_seed: bool = False) -> str:
     d = by[dense_of(unc["sampler"])]
     mm = (f"acceptance 5% tail {unc['p_accept']:.3f}, band rejects "
           f"{100 * unc['p_rejected']:.1f}% of tokens, {100 * unc['p_vetoed']:.1f}% of sequences "
@@ -140,8 +140,10 @@ def _regime_text(regime: str, by: dict, unc: dict) -> str:
                     f"{dense_of(unc['sampler'])}: this sampler's "
                     f"mismatch ({mm}) did not bias training enough to show",
         "rescued": f"uncorrected training ends below {dense_of(unc['sampler'])}, corrected "
-                   f"training does not, and the seeds resolve the difference: the regime "
-                   f"Sparse-RL describes ({mm})",
+                   f"training does not, and "
+                   + ("the difference exceeds the one-seed margin (not resolved: one seed)"
+                      if one_seed else "the seeds resolve the difference")
+                   + f": the regime Sparse-RL describes ({mm})",
         "rescued, not resolved": f"uncorrected training ends below {dense_of(unc['sampler'])} "
                                  f"and corrected training does not, but the seeds do not "
                                  f"resolve their difference ({mm})",
@@ -178,7 +180,7 @@ def correction_effects(by: dict[str, dict]) -> list[dict]:
                     "diff": m, "diff_sd": sd, "lo": lo, "hi": hi, "resolved": res,
                     "resolved_text": _resolved_text(res, one), "diff_text": diff_text,
                     "unc_vs_dense": unc_vs, "cor_vs_dense": cor_vs, "regime": regime,
-                    "regime_text": _regime_text(regime, by, unc)})
+                    "regime_text": _regime_text(regime, by, unc, one_seed=one)})
     return out
 
 
@@ -327,11 +329,15 @@ def _correction_rescues(by: dict, period: int) -> tuple[str, bool | None, str]:
                     f"{dense_of(e['sampler'])}, corrected {e['cor_vs_dense']} "
                     f"{dense_of(e['sampler'])})" for e in effects)
     rescued = [e["sampler"] for e in effects if e["regime"] == "rescued"]
+    one = all(e["lo"] != e["lo"] for e in effects)
     if rescued:
         return ("correction rescues a sampler", True,
                 f"With {', '.join(rescued)}, uncorrected training ends measurably below its "
-                f"dense arm, sparse_rl() training does not, and the seeds resolve the "
-                f"difference. Per sampler: {per}.")
+                f"dense arm, sparse_rl() training does not, and "
+                + (f"the difference exceeds a fixed margin of {ONE_SEED_MARGIN} (one seed: no "
+                   f"spread and no interval, so nothing is resolved; --full checks it over "
+                   f"three seeds)" if one else "the seeds resolve the difference")
+                + f". Per sampler: {per}.")
     return ("correction rescues a sampler", False,
             f"No sampler shows the regime Sparse-RL describes (uncorrected training measurably "
             f"below dense, corrected not, the difference resolved by the seeds). Per sampler: "
