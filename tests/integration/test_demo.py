@@ -4,9 +4,14 @@ report, the plots, failure reporting and the messages when something is missing.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
+import re
+import shutil
+import warnings
 from importlib.metadata import entry_points
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,11 +23,14 @@ from sparsecorr.schedules import BudgetSchedule
 pytest.importorskip("trl")
 from sparsecorr_trl.demo import command, report
 from sparsecorr_trl.demo import run as demo_run
+from sparsecorr_trl.demo.plots import write_plots
 
-ARMS = set(demo_run.ARM_NAMES)
+QUICK = demo_run.DemoConfig.quick()
+ARMS = set(demo_run.arm_names(QUICK))
+#: the quick run's sparse samplers, each run with and without sparse_rl()
+SAMPLERS = ("b8", "b16", "schedule", "topk12", "b16@24")
 PNGS = report.PNGS
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-AGGRESSIVE = ("sparse-uncorrected", "sparse-corrected", "sparse-distill")
 
 
 def test_demo_entry_point_is_registered():
@@ -35,11 +43,13 @@ def test_demo_entry_point_is_registered():
 def quick_run(tmp_path_factory):
     """``sparsecorr demo --quick`` once for the tests below: (out dir, printed text)."""
     out = tmp_path_factory.mktemp("demo") / "demo"
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
+    buf, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a warning the demo does not silence is recorded
         rc = main(["demo", "--quick", "--out", str(out)])
     assert rc == 0
-    return out, buf.getvalue()
+    return out, buf.getvalue(), err.getvalue(), [str(w.message) for w in caught]
 
 
 def _metrics(out):
@@ -47,7 +57,7 @@ def _metrics(out):
 
 
 def test_demo_quick(quick_run):
-    out, printed = quick_run
+    out, printed, _, _ = quick_run
     assert all(arm in printed for arm in ARMS)
     rows = _metrics(out)
     assert {r["arm"] for r in rows} == ARMS
@@ -56,25 +66,42 @@ def test_demo_quick(quick_run):
     assert all(0.0 <= r["dense_eval_reward"] <= 1.0 for r in rows)  # quick evaluates every step
     assert {r["step"] for r in rows if r["arm"] == "dense"} == {0, 1, 2}
     by_arm = {a: [r for r in rows if r["arm"] == a] for a in ARMS}
-    # the aggressive arms sample with the aggressive budget; only the uncorrected one does not
-    # correct
-    for arm in AGGRESSIVE:
+    # the study crosses every sparse sampler with the correction: same sampler, both corrections
+    samplers = {r["sampler"] for r in rows} - {"dense", "dense@24"}
+    assert samplers == set(SAMPLERS)
+    for s in samplers:
+        assert {r["correction"] for r in rows if r["sampler"] == s} >= {"none", "sparse_rl"}
+    for arm in ("b8/none", "b8/sparse_rl"):
         assert {r["mean_budget"] for r in by_arm[arm]} == {8.0}
-    for arm in ("sparse-corrected", "sparse-distill"):
-        assert all("sparsecorr/correction/kept_token_frac" in r for r in by_arm[arm])
-    assert not any("sparsecorr/correction/kept_token_frac" in r
-                   for r in by_arm["sparse-uncorrected"])
-    assert all(any(k.startswith("sparsecorr/distill/") for k in r)
-               for r in by_arm["sparse-distill"])
+    for arm, rs in by_arm.items():
+        corrected = rs[0]["correction"] != "none"
+        assert all(("sparsecorr/correction/kept_token_frac" in r) == corrected for r in rs), arm
+    distill = [a for a in ARMS if a.endswith("+distill")]
+    assert distill == ["topk12/sparse_rl+distill"]
+    assert all(any(k.startswith("sparsecorr/distill/") for k in r) for r in by_arm[distill[0]])
+    # the probe measures every sparse arm's sampler before training and at the last step,
+    # corrected or not; DistillSparse also with the adapter off; dense has no sampler to probe
+    for arm, rs in by_arm.items():
+        probed = not rs[0]["sampler"].startswith("dense")
+        assert ("probe_accept_q05_before" in rs[0]) == probed
+        assert ("probe_accept_q05" in rs[-1]) == probed
+        assert ("probe_accept_q05_noadapter" in rs[-1]) == arm.endswith("+distill")
+        if probed:
+            assert 0.0 <= rs[-1]["probe_accept_q05"] <= 1.0
+            assert 0.0 <= rs[-1]["probe_rejected_frac"] <= 1.0
     assert all(r["kl_k3"] == r["kl_k3"] and r["tokens_per_s"] > 0 for r in rows)
     peak = {a: max(r["peak_kv_bytes"] for r in rs) for a, rs in by_arm.items()}
-    assert peak["sparse-uncorrected"] < peak["dense"]
-    # every arm starts from the same shipped model on the same held-out prompts
-    assert len({rs[0]["dense_eval_reward_before"] for rs in by_arm.values()}) == 1
+    assert peak["b8/none"] < peak["dense"]
+    # every arm starts from the same shipped model on the same held-out prompts (the
+    # long-response arms answer them with 24 tokens instead of 16)
+    for long in (False, True):
+        assert len({rs[0]["dense_eval_reward_before"] for a, rs in by_arm.items()
+                    if ("@24" in a) == long}) == 1
+    assert {len({r["step"] for r in rs}) for rs in by_arm.values()} == {3}
     schedule = BudgetSchedule.load(out / "schedule.json")
     assert len(schedule.budgets) >= 1
     text = (out / "report.md").read_text()
-    assert "| arm |" in text and "## The three claims" in text
+    assert "| arm |" in text and "## The claims" in text and "## What the correction buys" in text
     assert "## What each arm shows" in text
     for what in ("correction", "schedule", "DistillSparse"):
         assert f"What {what} buys" in text or f"What the {what} buys" in text
@@ -83,10 +110,30 @@ def test_demo_quick(quick_run):
         assert f"![{png}]({png})" in text
 
 
+def test_demo_does_not_show_trl_warnings_or_loading_bars(quick_run):
+    """TRL 1.16 reads ``model.is_gradient_checkpointing`` (a transformers 5 FutureWarning) and
+    transformers draws a "Loading weights" bar per ``from_pretrained``: the demo shows neither
+    (recorded here with every warning filter set to "always")."""
+    _, printed, err, caught = quick_run
+    assert not [w for w in caught if "is_gradient_checkpointing" in w]
+    assert "Loading weights" not in err + printed
+    assert "is_gradient_checkpointing" not in err + printed
+
+
+def _paired_diff(rows, a, b):
+    """Per seed, final held-out greedy reward of arm a minus arm b, from the rows alone."""
+    def final(arm, seed):
+        vals = [r["dense_eval_reward"] for r in rows if r["arm"] == arm and r["seed"] == seed
+                and r["dense_eval_reward"] == r["dense_eval_reward"]]
+        return vals[-1]
+    seeds = sorted({r["seed"] for r in rows if r["arm"] == a})
+    return [final(a, s) - final(b, s) for s in seeds]
+
+
 def test_quick_report_comes_from_metrics_jsonl(quick_run):
     """The report's numbers and sentences are those computed from metrics.jsonl: recomputed
     here from the rows alone, and the report's verdicts follow them."""
-    out, printed = quick_run
+    out, printed, _, _ = quick_run
     rows = _metrics(out)
     text = (out / "report.md").read_text()
     first = {}
@@ -100,36 +147,66 @@ def test_quick_report_comes_from_metrics_jsonl(quick_run):
         line = next(ln for ln in text.splitlines() if ln.startswith(f"| {arm} |"))
         assert f"{before:.3f} -> {after:.3f}" in line  # one seed: no spread
         assert f"{sum(late) / len(late):.3f}" in line and f"| {peak} (" in line
+        probes = [r["probe_accept_q05"] for r in rs if "probe_accept_q05" in r]
+        if probes:
+            assert f"| {sum(probes) / len(probes):.3f} |" in line
         assert f"{before:.3f} -> {after:.3f}" in printed
+    # the correction table: per sampler, uncorrected and corrected finals and their difference
+    for s in SAMPLERS:
+        (diff,) = _paired_diff(rows, f"{s}/sparse_rl", f"{s}/none")
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {s} |"))
+        assert line.startswith(f"| {s} | {first[s + '/none'][1]:.3f} | "
+                               f"{first[s + '/sparse_rl'][1]:.3f} | {diff:+.3f} |")
+        assert ("above the one-seed margin" in line) == (diff > report.ONE_SEED_MARGIN)
     # the sentences are what claims() / findings() say about these rows, verbatim
     by = {s["arm"]: s for s in report.summarize(rows)}
-    checked = report.claims(by)
+    config = json.loads((out / "run.json").read_text())["config"]
+    checked = report.claims(by, config)
     assert [name for name, _, _ in checked] == ["dense improves", "schedule matches dense",
-                                                "uncorrected below dense"]
+                                                "uncorrected below dense",
+                                                "correction rescues a sampler",
+                                                "DistillSparse raises the tail"]
     word = {True: "holds", False: "does not hold", None: "not checked"}
     for name, ok, sentence in checked:
         assert f"- **{name}: {word[ok]}.** {sentence}" in text
-    for line in report.findings(by):
+    for line in report.findings(by, config):
         assert f"- {line}" in text
     # and the verdicts follow the numbers as recomputed here
-    (d0, d1), (_, u1) = first["dense"], first["sparse-uncorrected"]
+    (d0, d1), (_, u1) = first["dense"], first["b8/none"]
     assert checked[0][1] == (d1 - d0 > report.CLEAR_GAIN)
     assert checked[2][1] == (d1 - u1 > report.ONE_SEED_MARGIN)
     assert f"{d0:.3f} to {d1:.3f}" in checked[0][2]
+    m = report.ONE_SEED_MARGIN
+    dense_final = {s: first["dense@24" if "@24" in s else "dense"][1] for s in SAMPLERS}
+    rescued = [s for s in SAMPLERS
+               if dense_final[s] - first[f"{s}/none"][1] > m
+               and dense_final[s] - first[f"{s}/sparse_rl"][1] <= m
+               and _paired_diff(rows, f"{s}/sparse_rl", f"{s}/none")[0] > m]
+    assert checked[3][1] == bool(rescued)
+    dis = [r for r in rows if r["arm"] == "topk12/sparse_rl+distill" and "probe_accept_q05" in r]
+    lift = sum(r["probe_accept_q05"] - r["probe_accept_q05_noadapter"] for r in dis) / len(dis)
+    assert checked[4][1] == (lift > m)
     # --report-only rebuilds the same report from the run's files
     assert main(["demo", "--report-only", "--out", str(out)]) == 0
     assert (out / "report.md").read_text() == text
 
 
-def _rows(arm, seed, before, after, *, kv=None, kept=None, steps=3):
+def _rows(arm, seed, before, after, *, kv=None, kept=None, steps=3, reward=0.5, probe=None):
+    """Synthetic rows of one arm and seed; ``probe``: (acceptance tail, rejected fraction)."""
+    sampler, _, correction = arm.partition("/")
     rows = []
     for i in range(steps):
-        row = {"arm": arm, "seed": seed, "step": i, "reward": 0.5, "tokens_per_s": 5.0 if i == 0 else 100.0,
+        row = {"arm": arm, "sampler": sampler, "correction": correction or "none", "seed": seed,
+               "step": i, "reward": reward, "tokens_per_s": 5.0 if i == 0 else 100.0,
                "dense_eval_reward": after if i == steps - 1 else float("nan"),
                "peak_kv_bytes": kv or (1000 if arm == "dense" else 250),
                "kl_k3": 0.0 if arm == "dense" else 0.5, "mismatch_max": 0.0 if arm == "dense" else 9.0}
         if kept is not None:
             row["sparsecorr/correction/kept_token_frac"] = kept
+        if probe is not None:
+            row.update(probe_accept_q05=probe[0], probe_rejected_frac=probe[1],
+                       probe_vetoed_frac=0.0, probe_ess=0.95, probe_log_ratio_q05=-1.0,
+                       probe_reward=reward)
         rows.append(row)
     rows[0]["dense_eval_reward_before"] = before
     return rows
@@ -146,21 +223,42 @@ def test_summary_over_seeds():
     assert report.pm(one["dense_after"], one["dense_after_sd"]) == "0.600"
 
 
-def _claims(dense_after, sched_after, unc_after, *, sched_kv=400):
+def test_interval_is_the_paired_t_interval():
+    m, sd, lo, hi = report.interval([0.1, 0.2, 0.3])
+    assert m == pytest.approx(0.2) and sd == pytest.approx(0.1)
+    assert (lo, hi) == (pytest.approx(0.2 - 4.303 * 0.1 / 3 ** 0.5),
+                        pytest.approx(0.2 + 4.303 * 0.1 / 3 ** 0.5))
+    assert report.interval([0.1])[2] != report.interval([0.1])[2]  # one value: no interval
+
+
+def _claims(dense_after, sched_after, unc_after, *, sched_kv=400, mid=None, distill=None):
+    """Synthetic study over three seeds; ``mid``: (uncorrected, corrected) finals of a sampler
+    ``b16`` that finds rewards; ``distill``: (tail with, tail without the adapter)."""
     rows = []
     for seed, jitter in enumerate((-0.02, 0.0, 0.02)):
         rows += _rows("dense", seed, 0.3, dense_after + jitter)
-        rows += _rows("sparse-uncorrected", seed, 0.3, unc_after + jitter)
-        rows += _rows("sparse-corrected", seed, 0.3, unc_after + jitter, kept=0.5)
-        rows += _rows("sparse-schedule-corrected", seed, 0.3, sched_after + jitter, kv=sched_kv,
-                      kept=0.9)
+        rows += _rows("b8/none", seed, 0.3, unc_after + jitter, reward=0.05, probe=(0.2, 0.4))
+        rows += _rows("b8/sparse_rl", seed, 0.3, unc_after + jitter, kept=0.5, reward=0.05,
+                      probe=(0.2, 0.4))
+        rows += _rows("schedule/sparse_rl", seed, 0.3, sched_after + jitter, kv=sched_kv,
+                      kept=0.9, probe=(0.8, 0.05))
+        if mid is not None:
+            rows += _rows("b16/none", seed, 0.3, mid[0] + jitter, probe=(0.6, 0.1))
+            rows += _rows("b16/sparse_rl", seed, 0.3, mid[1] + 2 * jitter, kept=0.9,
+                          probe=(0.6, 0.1))
+        if distill is not None:
+            rs = _rows("b8/sparse_rl+distill", seed, 0.3, unc_after, probe=(distill[0], 0.4))
+            for r in rs:
+                r["probe_accept_q05_noadapter"] = distill[1] + jitter
+            rows += rs
     by = {s["arm"]: s for s in report.summarize(rows)}
-    return {name: (ok, sentence) for name, ok, sentence in report.claims(by)}
+    return {name: (ok, sentence) for name, ok, sentence in report.claims(by, {"tau": 0.5})}
 
 
 def test_claims_follow_the_numbers():
     good = _claims(0.8, 0.79, 0.5)
-    assert all(ok for ok, _ in good.values())
+    assert all(ok for name, (ok, _) in good.items() if name in (
+        "dense improves", "schedule matches dense", "uncorrected below dense"))
     assert "a clear margin" in good["dense improves"][1]
     assert "reaches 0.99" in good["schedule matches dense"][1]
     assert "40% of its peak KV" in good["schedule matches dense"][1]
@@ -176,6 +274,31 @@ def test_claims_follow_the_numbers():
     assert "at this scale it did not end measurably below dense" in bad["uncorrected below dense"][1]
 
 
+def test_correction_claim_holds_only_where_the_numbers_show_the_regime():
+    # a sampler that finds rewards, uncorrected below dense, corrected at dense's level
+    rescued = _claims(0.8, 0.79, 0.5, mid=(0.6, 0.8))["correction rescues a sampler"]
+    assert rescued[0] is True and "With b16, uncorrected training ends measurably below" in rescued[1]
+    # the same, but the corrected arm's seeds scatter so the difference is not resolved
+    # (jitter doubled on one arm only keeps it resolved: a shift of 0.2 over sd 0.02)
+    harmless = _claims(0.8, 0.79, 0.5, mid=(0.8, 0.79))["correction rescues a sampler"]
+    assert harmless[0] is False
+    assert "b16: harmless" in harmless[1] and "b8: fails outright" in harmless[1]
+    assert "none sits between the two" in harmless[1]
+    both = _claims(0.8, 0.79, 0.5, mid=(0.5, 0.5))["correction rescues a sampler"]
+    assert both[0] is False and "b16: both below dense" in both[1]
+    # only a sampler that fails outright: said so, with the period of the task
+    fails = _claims(0.8, 0.79, 0.5)["correction rescues a sampler"]
+    assert fails[0] is False and "b8 fails outright" in fails[1] and "15 positions back" in fails[1]
+
+
+def test_distill_claim_follows_the_tail_with_and_without_the_adapter():
+    up = _claims(0.8, 0.79, 0.5, distill=(0.6, 0.2))["DistillSparse raises the tail"]
+    assert up[0] is True and "from 0.200" in up[1] and "to 0.600" in up[1]
+    assert "tau = 0.5 is reached" in up[1] and "resolved by the seeds" in up[1]
+    flat = _claims(0.8, 0.79, 0.5, distill=(0.2, 0.2))["DistillSparse raises the tail"]
+    assert flat[0] is False and "not resolved" in flat[1] and "tau = 0.5 is not reached" in flat[1]
+
+
 def test_each_plot_png_is_written(tmp_path):
     import torch
 
@@ -184,8 +307,9 @@ def test_each_plot_png_is_written(tmp_path):
                             values=torch.tensor([[0.5, 0.2, float("nan")], [0.99, 0.95, 0.9]]))
     schedule = SimpleNamespace(budgets=[16, 16, None], bin_size=8)
     rows = (_rows("dense", 0, 0.3, 0.6) + _rows("dense", 1, 0.3, 0.7)
-            + _rows("sparse-uncorrected", 0, 0.3, 0.2) + _rows("sparse-uncorrected", 1, 0.3, 0.1))
-    files = report.write_plots(tmp_path, rows, table, schedule, 0.86)
+            + _rows("b8/none", 0, 0.3, 0.2, probe=(0.2, 0.4))
+            + _rows("b8/none", 1, 0.3, 0.1, probe=(0.3, 0.3)))
+    files = write_plots(tmp_path, rows, table, schedule, 0.86, report.summarize(rows))
     assert files == list(PNGS)
     for png in PNGS:
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
@@ -196,17 +320,17 @@ def test_failure_report_names_the_step_and_keeps_finished_arms(tmp_path, monkeyp
     real = demo_run.train_arm
 
     def train_arm(arm, **kw):
-        if arm.name == "sparse-uncorrected":
+        if arm.name == "b8/none":
             raise RuntimeError("simulated crash")
         return real(arm, **kw)
 
     monkeypatch.setattr(demo_run, "train_arm", train_arm)
     cfg = demo_run.DemoConfig(steps=1, prompts_per_step=1, group=2, max_new_tokens=8,
-                              budgets=(8,), bin_size=8, eval_prompts=4)
-    with pytest.raises(demo_run.DemoError, match=r"training arm sparse-uncorrected \(seed 0\) failed"):
+                              budgets=(8,), bin_size=8, eval_prompts=4, probe_every=0)
+    with pytest.raises(demo_run.DemoError, match=r"training arm b8/none \(seed 0\) failed"):
         demo_run.run_demo(cfg, tmp_path, progress=False)
     text = (tmp_path / "report.md").read_text()
-    assert "failed during training arm sparse-uncorrected (seed 0)" in text and "simulated crash" in text
+    assert "failed during training arm b8/none (seed 0)" in text and "simulated crash" in text
     assert "Calibration finished" in text and "| dense |" in text
 
 
@@ -269,3 +393,30 @@ def test_shipped_model_has_a_partial_skill_that_eviction_hurts():
                          temperature=0.0, max_new_tokens=cfg.max_new_tokens, logprobs_topk=0)
     sparse = float(recall_reward(held_out, batch.tokens, batch.mask).mean())
     assert sparse < dense / 2
+
+
+ROOT = Path(__file__).resolve().parents[2]
+FULL_RUN = ROOT / "docs" / "assets" / "demo" / "full-run"
+
+
+def test_docs_full_run_is_rebuilt_from_its_shipped_metrics(tmp_path):
+    """docs/getting-started.md's `--full` run: every table row, every claim and every number
+    with two or more decimals in that section is what the report code computes from the run's
+    shipped files (docs/assets/demo/full-run: metrics.jsonl.gz, calibration.json,
+    schedule.json, run.json), rebuilt here with ``--report-only``."""
+    for name in ("calibration.json", "schedule.json", "run.json"):
+        shutil.copy(FULL_RUN / name, tmp_path / name)
+    (tmp_path / "metrics.jsonl").write_bytes(gzip.decompress((FULL_RUN / "metrics.jsonl.gz").read_bytes()))
+    assert json.loads((tmp_path / "run.json").read_text())["config"]["seeds"] == [0, 1, 2]
+    assert main(["demo", "--report-only", "--out", str(tmp_path)]) == 0
+    rebuilt = (tmp_path / "report.md").read_text()
+    docs = (ROOT / "docs" / "getting-started.md").read_text()
+    section = docs[docs.index("### One `--full` run"):]
+    tables = [ln for ln in section.splitlines() if ln.startswith("|")]
+    claimed = [ln for ln in section.splitlines()
+               if re.match(r"- \*\*[^*]+: (holds|does not hold|not checked)\.\*\* ", ln)]
+    assert len(tables) > 20 and len(claimed) == 5
+    for line in tables + claimed:
+        assert line in rebuilt, line
+    for number in re.findall(r"(?<![\w.])[-+]?\d+\.\d{2,}(?![\d.])", section):  # not versions
+        assert number in rebuilt, number

@@ -75,7 +75,7 @@ def test_wheels_install_in_a_fresh_venv_and_the_demo_runs_outside_the_tree(tmp_p
     out = _run([str(venv / "bin" / "sparsecorr"), "demo", "--quick", "--out", "run"],
                cwd=work, env=env)
     text = (work / "run" / "report.md").read_text()
-    assert "## What each arm shows" in text and "sparse-schedule-corrected" in text
+    assert "## What each arm shows" in text and "schedule/sparse_rl" in text
     for png in ("calibration.png", "curves.png", "memory_speed.png"):
         assert (work / "run" / png).stat().st_size > 1000
     assert str(ROOT) not in out + text, "a message names the checkout"

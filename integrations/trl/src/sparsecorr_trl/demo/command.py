@@ -1,4 +1,4 @@
-"""``sparsecorr demo``: calibrate -> fit a schedule -> five GRPO arms (x seeds) -> report.
+"""``sparsecorr demo``: calibrate -> fit a schedule -> sampler x correction GRPO arms (x seeds) -> report.
 
 Provided by the ``sparsecorr-trl`` distribution through the ``sparsecorr.commands`` entry point
 (the ``sparsecorr`` CLI discovers it). ``add_parser`` is cheap; ``run`` checks every dependency
@@ -20,14 +20,16 @@ INSTALL_HINT = "pip install 'sparsecorr[demo]'"
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", help="run the end-to-end demo on a shipped tiny model (calibrate, fit a "
-                     "schedule, train five GRPO arms, write report.md)",
+                     "schedule, train GRPO arms crossing sampler and correction, write "
+                     "report.md)",
         description="Calibrate a KV budget on a shipped tiny Qwen3 (pre-trained to a partial "
-                    "skill on a recall task), fit a schedule, train five GRPO arms with "
-                    "SparseGRPOTrainer (dense; aggressive budget uncorrected; aggressive budget "
-                    "+ sparse_rl(); fitted schedule + sparse_rl(); aggressive budget + "
-                    "DistillSparse) and write report.md with plots, checking three claims "
-                    "against the numbers. CPU-bound; see docs/getting-started.md for measured "
-                    "times on 2 cores (default: one seed, a few minutes; --full: three seeds).")
+                    "skill on a recall task), fit a schedule, and train GRPO arms with "
+                    "SparseGRPOTrainer that cross the sampler (dense; StreamingLLM at the "
+                    "aggressive budget, at fixed budgets and on the fitted schedule) with the "
+                    "correction (none; sparse_rl()), plus DistillSparse; write report.md with "
+                    "plots: what the correction buys per sampler over seeds, and five claims "
+                    "checked against the numbers. CPU-bound; see docs/getting-started.md for "
+                    "measured times on 2 cores (default: one seed; --full: three seeds).")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="smoke test: 3 steps of 2 prompts x 4 rollouts per arm, one seed")
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sparsecorr demo: error: {exc}", file=sys.stderr)
         return 1
     for s in summarize(rows):
-        print(f"{s['arm']:>26}  held-out greedy reward {pm(s['dense_before'], s['dense_before_sd'])}"
+        print(f"{s['arm']:>24}  held-out greedy reward {pm(s['dense_before'], s['dense_before_sd'])}"
               f" -> {pm(s['dense_after'], s['dense_after_sd'])}  sampled reward (last half) "
               f"{s['reward_last_half']:.3f}  peak KV {s['peak_kv_bytes']:.0f} B  "
               f"{s['tokens_per_s']:.0f} tok/s")
