@@ -53,7 +53,7 @@ __all__ = [
 #: TRANSFORMERS_RANGE say the same; tests/unit/test_versions.py checks they agree)
 SUPPORTED = SpecifierSet(">=5.9,<6")
 #: the versions CI has run the decoding tests on: the lowest supported and the lock's
-TESTED = ("5.15.0", "5.24.0")
+TESTED = ("5.9.0", "5.24.0")
 
 
 class UnsupportedTransformersError(RuntimeError):
