@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import count
-from .._frozen import compile_safe_hash
+from .._checks import compile_safe_hash, count
 from .._masks import and_rows, masked_extremes, row_any, rows_count
 from ..mismatch import Mismatch, reduce_metrics
 

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_choice, count
-from .._frozen import compile_safe_hash
+from .._checks import check_choice, compile_safe_hash, count
 from .._masks import row_any
 from .._ratio import ratio as exp_ratio
 from ..mismatch import Mismatch

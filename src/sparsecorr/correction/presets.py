@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import count, finite
+from .._checks import compile_safe_hash, count, finite
 from .._dist import all_reduce_sum
-from .._frozen import compile_safe_hash
 from .._masks import and_rows, row_any
 from .._ratio import clamp_log_ratio, ratio
 from ..mismatch import Mismatch

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_number, count
-from .._frozen import compile_safe_hash
+from .._checks import check_number, compile_safe_hash, count
 from .._ratio import clamp_log_ratio, ratio
 from .aggregation import scaled_sum
 from .linearize import linearized

@@ -18,7 +18,7 @@ import sparsecorr.correction.base
 import sparsecorr.correction.peers
 import sparsecorr.correction.presets
 import sparsecorr.losses.surrogate
-from sparsecorr._frozen import _field_hash, compile_safe_hash
+from sparsecorr._checks import _field_hash, compile_safe_hash
 from sparsecorr.correction import PRESETS, get_preset
 
 MODULES = (sparsecorr.correction.base, sparsecorr.correction.peers, sparsecorr.correction.presets,
