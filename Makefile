@@ -14,21 +14,45 @@ PEERS := openrlhf>=0.11,<0.12 verl==0.9.1
 # the glue distributions, editable (verl's [cpu-test] extra: the light packages its CPU tests need
 # to load verl's real DataProto / ActorConfig next to the --no-deps verl)
 GLUE := integrations/trl integrations/openrlhf integrations/verl[cpu-test]
-# the tested transformers range: its ends are tested by `make test-edges` (the same range is in
-# pyproject.toml and src/sparsecorr/decoding/hf.py; tests/unit/test_versions.py checks they agree)
-TRANSFORMERS_RANGE := >=5.15,<6
-TRANSFORMERS_LOWEST := 5.15.0
+# the tested ranges (the same ranges are in pyproject.toml and src/sparsecorr/decoding/hf.py;
+# tests/unit/test_versions.py checks they agree). Their ends are tested by `make test-edges`:
+# torch 2.11.0 with transformers 5.9.0 (verl 0.9.1's pins: the lowest of both), torch 2.14.1 with
+# transformers 5.19.0 (SGLang 0.5.23's), and the newest transformers on the lock's torch.
+TORCH_LOWEST := 2.11.0
+TORCH_NEWEST := 2.14.1
+TRANSFORMERS_RANGE := >=5.9,<6
+TRANSFORMERS_LOWEST := 5.9.0
+TRANSFORMERS_AT_TORCH_NEWEST := 5.19.0
 export PYTHON PIP_VERSION TORCH_VERSION PEERS GLUE
 STAMP := $(VENV)/.sparsecorr-installed
 INSTALL_INPUTS := requirements.lock pyproject.toml $(wildcard integrations/*/pyproject.toml) \
   scripts/lock.sh Makefile
 PYTEST_ARGS ?=
-# what the range tests run: the decoding engine, and (newest only) the TRL sparse rollouts + demo
+# what the range tests run: the loss path (losses, corrections, mismatch), the verl plugin and
+# the OpenRLHF glue; the compile tests in full (every preset, surrogate and aggregation, the
+# correction built inside and outside the compiled step: slow ones included); the decoding
+# engine; and (newest transformers only) the TRL sparse rollouts + demo
+COMPILE_TESTS := tests/unit/losses/test_compile.py
+EDGE_LOSS := tests/unit/losses tests/unit/correction tests/unit/mismatch tests/property/losses \
+  tests/property/correction tests/property/mismatch tests/integration/verl tests/integration/openrlhf
 EDGE_DECODING := tests/unit/decoding tests/property/decoding
 EDGE_NEWEST := $(EDGE_DECODING) tests/integration/trl/test_sparse_rollouts.py \
   tests/integration/test_demo.py
+# one edge job: $(call edge,VENV,TORCH,TRANSFORMERS SPEC,WHAT IT IS); a failure names the
+# package versions that broke us
+define edge
+	@scripts/lock.sh edge $(1) $(2) "transformers$(3)"
+	@{ $(1)/bin/python -m pytest -q -m "not gpu and not slow" $(EDGE_LOSS) $(EDGE_DECODING) \
+	     --ignore=$(COMPILE_TESTS) $(PYTEST_ARGS) \
+	   && $(1)/bin/python -m pytest -q -m "not gpu" $(COMPILE_TESTS) $(PYTEST_ARGS); } || { \
+	  echo "UPSTREAM BREAK: the tests above fail with torch==$(2) and transformers==$$($(1)/bin/python \
+	  -c 'import transformers; print(transformers.__version__)') ($(4)); the locked environment has" \
+	  "torch==$(TORCH_VERSION), transformers==$$(grep -i '^transformers==' requirements.lock | cut -d= -f3)"; \
+	  exit 1; }
+endef
 
-.PHONY: venv lock test test-all test-gpu test-edges test-newest test-lowest demo docs lint bench dist clean
+.PHONY: venv lock test test-all test-gpu test-edges test-newest test-lowest test-torch-newest \
+  test-compile test-resolve demo docs lint bench dist clean
 
 venv: $(STAMP)
 
@@ -40,27 +64,38 @@ lock:
 	scripts/lock.sh refresh
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not resolve" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# both ends of the tested transformers range, each in its own venv made from the lock; a failure
-# names the package and version that broke us
-test-edges: test-newest test-lowest
+# the ends of the tested torch and transformers ranges, each in its own venv made from the lock
+# (torch and transformers swapped); a failure prints UPSTREAM BREAK with the versions that broke us
+test-edges: test-newest test-lowest test-torch-newest
 
 test-newest: $(STAMP)
-	@scripts/lock.sh edge .venv-newest "transformers$(TRANSFORMERS_RANGE)"
+	@scripts/lock.sh edge .venv-newest $(TORCH_VERSION) "transformers$(TRANSFORMERS_RANGE)"
 	@.venv-newest/bin/python -m pytest -q -m "not gpu" $(EDGE_NEWEST) $(PYTEST_ARGS) || { \
 	  echo "UPSTREAM BREAK: the tests above fail with transformers==$$(.venv-newest/bin/python -c \
 	  'import transformers; print(transformers.__version__)') (the newest release in $(TRANSFORMERS_RANGE));" \
 	  "the locked environment has transformers==$$(grep -i '^transformers==' requirements.lock | cut -d= -f3)"; exit 1; }
 
+# the lowest torch and the lowest transformers: verl 0.9.1's stack
 test-lowest: $(STAMP)
-	@scripts/lock.sh edge .venv-lowest "transformers==$(TRANSFORMERS_LOWEST)"
-	@.venv-lowest/bin/python -m pytest -q -m "not gpu" $(EDGE_DECODING) $(PYTEST_ARGS) || { \
-	  echo "UPSTREAM BREAK: the decoding tests fail with transformers==$(TRANSFORMERS_LOWEST)," \
-	  "the lowest version in $(TRANSFORMERS_RANGE)"; exit 1; }
+	$(call edge,.venv-lowest,$(TORCH_LOWEST),==$(TRANSFORMERS_LOWEST),the lowest of torch>=2.11 and transformers$(TRANSFORMERS_RANGE): verl 0.9.1's pins)
+
+# the newest torch the stacks pin, with SGLang 0.5.23's transformers
+test-torch-newest: $(STAMP)
+	$(call edge,.venv-torch-newest,$(TORCH_NEWEST),==$(TRANSFORMERS_AT_TORCH_NEWEST),SGLang 0.5.23's pins)
+
+# the compile tests in full (slow ones included) in the locked environment (torch 2.13.0)
+test-compile: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not gpu" $(COMPILE_TESTS) $(PYTEST_ARGS)
+
+# pip resolves sparsecorr beside each stack's pins (tests/constraints), metadata only: needs the
+# package index
+test-resolve: $(STAMP)
+	$(BIN)/python -m pytest -q -s -m resolve tests/resolve $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
@@ -85,4 +120,4 @@ dist: $(STAMP)
 	@ls -1 dist
 
 clean:
-	rm -rf $(VENV) .venv-newest .venv-lowest site build dist .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-newest .venv-lowest .venv-torch-newest site build dist .pytest_cache .hypothesis

@@ -4,8 +4,10 @@
 #   scripts/lock.sh refresh             re-resolve requirements.lock (`make lock`)
 #   scripts/lock.sh install VENV        make VENV exactly the lock, plus the editable packages
 #   scripts/lock.sh check VENV          fail, naming the lines, where VENV differs from the lock
-#   scripts/lock.sh edge VENV SPEC...   VENV from the lock, then SPEC upgraded from the index
-#                                       (the range tests: newest / lowest transformers)
+#   scripts/lock.sh edge VENV TORCH SPEC...
+#                                       VENV from the lock with torch==TORCH instead of the lock's,
+#                                       then SPEC upgraded from the index (the range tests: torch
+#                                       2.11.0 / 2.14.1, lowest / newest transformers)
 #
 # Settings come from the Makefile's environment: PYTHON, PIP_VERSION, TORCH_VERSION, PEERS (peer
 # packages installed without their GPU-only dependencies) and GLUE (the glue distributions' dirs).
@@ -22,11 +24,19 @@ frozen() {
     | grep -v '^pip==' | sed -E 's/^torch==([^+]+)\+.*/torch==\1/' | LC_ALL=C sort -f
 }
 
-new_venv() {  # a venv with the pinned pip and the CPU torch wheel (never a CUDA one)
+new_venv() {  # VENV [TORCH]: a venv with the pinned pip and torch==TORCH (default: the lock's)
+  # The lock's 2.13.0 is the CPU wheel on this disk; the index serves 2.11.0 on Linux as its
+  # CUDA build only (it runs on the CPU; about 5 GB in the venv, from pip's cache after the
+  # first install) and 2.14.1 lies on this disk (also a CUDA build).
+  local torch=${2:-$TORCH_VERSION}
   [ -x "$1/bin/python" ] || "$PYTHON" -m venv "$1"
   "$1/bin/python" -m pip --version | grep -q "^pip $PIP_VERSION " || pip_in "$1" "pip==$PIP_VERSION"
-  "$1/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
-    2>/dev/null || pip_in "$1" "torch==$TORCH_VERSION"
+  "$1/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch')" \
+    2>/dev/null || pip_in "$1" "torch==$torch"
+}
+
+lock_but_torch() {  # the lock's packages, --no-deps, except torch (new_venv installed it)
+  pip_in "$1" --no-deps -r <(grep -v '^torch==' "$LOCK")
 }
 
 editables() {  # our distributions, editable, with nothing resolved from the index
@@ -53,7 +63,7 @@ case "${1:-}" in
     echo "wrote $LOCK ($(grep -vc '^#' "$LOCK") packages)";;
   install)
     new_venv "$2"
-    pip_in "$2" --no-deps -r "$LOCK"
+    lock_but_torch "$2"
     editables "$2"
     "$0" check "$2";;
   check)
@@ -63,14 +73,14 @@ case "${1:-}" in
       exit 1
     fi;;
   edge)
-    venv=$2; shift 2
-    new_venv "$venv"
-    pip_in "$venv" --no-deps -r "$LOCK"
+    venv=$2; torch=$3; shift 3
+    new_venv "$venv" "$torch"
+    lock_but_torch "$venv"
     # the spec and whatever it needs, from the index; pip's complaints about the peers' GPU-only
     # dependencies (installed --no-deps on purpose) are kept in a log, shown only on failure
     pip_in "$venv" --upgrade "$@" 2>"$venv/edge-pip.log" || { cat "$venv/edge-pip.log" >&2; exit 1; }
     editables "$venv"
-    "$venv/bin/python" -m pip freeze | grep -iE '^(transformers|tokenizers|huggingface.hub|trl)==' \
+    "$venv/bin/python" -m pip freeze | grep -iE '^(torch|transformers|tokenizers|huggingface.hub|trl)==' \
       | tr '\n' ' '; echo;;
-  *) sed -n '2,13p' "$0"; exit 2;;
+  *) sed -n '2,15p' "$0"; exit 2;;
 esac

@@ -1,9 +1,11 @@
-"""The lock, the ranges and the Makefile's tested range agree with each other.
+"""The lock, the ranges, the Makefile's tested ends and the stacks' pins agree with each other.
 
 ``requirements.lock`` is what ``make venv`` and CI install; the pyproject files keep ranges for
-library users; the Makefile names the ends of the transformers range that CI tests. A refreshed
-lock outside a range, or a range edited in one place only, fails here instead of on a user's
-machine.
+library users; the Makefile names the ends of the torch and transformers ranges that CI tests;
+``tests/constraints/`` holds the pins of the stacks users train in. A refreshed lock outside a
+range, a range edited in one place only, or a floor that refuses a stack's pin fails here
+(offline) instead of on a user's machine; ``tests/resolve`` runs pip's resolver on the same
+files against the index.
 """
 
 from __future__ import annotations
@@ -75,14 +77,35 @@ def test_each_range_has_a_lower_and_an_upper_end():
         assert ops & {">=", "=="} and ops & {"<", "=="}, f"{where}: {req} needs both ends"
 
 
-def test_the_tested_transformers_range_is_the_declared_one():
-    declared = next(r.specifier for w, r in _requirements()
-                    if w == "pyproject.toml[]" and r.name == "transformers")
-    assert declared == SpecifierSet(_makefile("TRANSFORMERS_RANGE"))
+def _declared(where: str, name: str) -> SpecifierSet:
+    return next(r.specifier for w, r in _requirements() if w == where and r.name == name)
+
+
+def test_the_core_needs_no_transformers():
+    """``import sparsecorr`` needs none (tests/integration/test_readme_and_api.py checks the
+    import): only the decoding engine does, through the ``decoding`` extra."""
+    assert not [r for w, r in _requirements() if w == "pyproject.toml[]" and r.name == "transformers"]
+
+
+def test_every_transformers_requirement_is_the_tested_range():
+    declared = SpecifierSet(_makefile("TRANSFORMERS_RANGE"))
+    found = {w: r.specifier for w, r in _requirements() if r.name == "transformers"}
+    assert "pyproject.toml[decoding]" in found
+    assert all(spec == declared for spec in found.values()), found
     lowest = Version(_makefile("TRANSFORMERS_LOWEST"))
     assert lowest in declared
     assert any(s.operator == ">=" and Version(s.version) <= lowest for s in declared)
     assert _lock()["transformers"] in declared
+    assert Version(_makefile("TRANSFORMERS_AT_TORCH_NEWEST")) in declared
+
+
+def test_the_tested_torch_ends_are_the_declared_range():
+    declared = _declared("pyproject.toml[]", "torch")
+    lowest, newest = Version(_makefile("TORCH_LOWEST")), Version(_makefile("TORCH_NEWEST"))
+    (floor,) = [Version(s.version) for s in declared if s.operator == ">="]
+    assert floor.release[:2] == lowest.release[:2], f"the torch floor {floor} is not what CI tests ({lowest})"
+    assert lowest in declared and newest in declared and _lock()["torch"] in declared
+    assert lowest < _lock()["torch"] < newest
 
 
 def test_the_decoding_guard_checks_the_declared_range():
@@ -90,7 +113,46 @@ def test_the_decoding_guard_checks_the_declared_range():
     versions it names as tested are the lowest end and the lock's."""
     from sparsecorr.decoding import hf
 
-    declared = next(r.specifier for w, r in _requirements()
-                    if w == "pyproject.toml[]" and r.name == "transformers")
-    assert hf.SUPPORTED == declared
+    assert hf.SUPPORTED == _declared("pyproject.toml[decoding]", "transformers")
     assert hf.TESTED == (_makefile("TRANSFORMERS_LOWEST"), str(_lock()["transformers"]))
+
+
+STACKS = sorted((ROOT / "tests" / "constraints").glob("*.txt"))
+DISTS = {"sparsecorr": ROOT / "pyproject.toml",
+         **{f"sparsecorr-{p.parent.name}": p for p in PYPROJECTS[1:]}}
+
+
+def _installs(item: Requirement, seen: set[str] | None = None) -> list[Requirement]:
+    """The requirements ``item`` (one of our distributions, with extras) brings, ours expanded."""
+    seen = set() if seen is None else seen
+    key = f"{item.name}[{','.join(sorted(item.extras))}]"
+    if key in seen:
+        return []
+    seen.add(key)
+    project = tomllib.loads(DISTS[canonicalize_name(item.name)].read_text())["project"]
+    lines = list(project.get("dependencies", []))
+    for extra in item.extras:
+        lines += project["optional-dependencies"][extra]
+    out = []
+    for r in map(Requirement, lines):
+        out += _installs(r, seen) if canonicalize_name(r.name) in OURS else [r]
+    return out
+
+
+@pytest.mark.parametrize("stack", STACKS, ids=lambda p: p.stem)
+def test_our_ranges_admit_each_stacks_exact_pins(stack):
+    """Offline half of tests/resolve: every ``==`` pin of a stack on a package we require lies in
+    our range (torch 2.11.0 for verl 0.9.1, transformers 5.9.0, flashinfer-python 0.7.2 ...)."""
+    text = stack.read_text().splitlines()
+    (install,) = [line.split(":", 1)[1].split() for line in text if line.startswith("# install:")]
+    ours = [r for item in install for r in _installs(Requirement(item))]
+    pins = [Requirement(line.split("#")[0]) for line in text if line.strip() and not line.startswith("#")]
+    checked = 0
+    for pin in pins:
+        (exact,) = [s.version for s in pin.specifier if s.operator == "=="] or [None]
+        for req in ours:
+            if exact and canonicalize_name(req.name) == canonicalize_name(pin.name):
+                assert req.specifier.contains(exact, prereleases=True), (
+                    f"{stack.name} pins {pin}; we require {req}")
+                checked += 1
+    assert checked, f"{stack.name}: no exact pin on a package we require"

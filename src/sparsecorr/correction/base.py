@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import count
+from .._checks import compile_safe_hash, count
 from .._masks import and_rows, masked_extremes, row_any, rows_count
 from ..mismatch import Mismatch, reduce_metrics
 
@@ -202,6 +202,7 @@ def standard_sums(c: Correction, *, full: bool = False) -> dict[str, torch.Tenso
     return out
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class Chain:
     """Several corrections applied to the same record: weights multiply, masks AND.

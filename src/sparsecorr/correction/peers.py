@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_choice, count
+from .._checks import check_choice, compile_safe_hash, count
 from .._masks import row_any
 from .._ratio import ratio as exp_ratio
 from ..mismatch import Mismatch
@@ -42,6 +42,7 @@ def _filtered_frac(name: str, outside: torch.Tensor, mm: Mismatch) -> dict[str, 
     return per_valid(name, count(outside & mm.valid), mm)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class TRLCorrection:
     """TRL 1.16's vLLM importance-sampling correction (see the module docstring)."""
@@ -72,6 +73,7 @@ class TRLCorrection:
                           piece_metrics=_filtered_frac(name, outside, mm), source=mm)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class OpenRLHFCorrection:
     """OpenRLHF 0.11 ``PolicyLoss`` correction (``is_correction_*``; see the module docstring)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import count, finite
+from .._checks import compile_safe_hash, count, finite
 from .._dist import all_reduce_sum
 from .._masks import and_rows, row_any
 from .._ratio import clamp_log_ratio, ratio
@@ -58,6 +58,7 @@ def per_valid(name: str, n: torch.Tensor, mm: Mismatch) -> dict[str, torch.Tenso
     return {name: n, name + "#n": mm.tokens}
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class TIS:
     """Truncated token-level IS: ``w_t = clamp(r_t, floor, cap)`` (Yao et al., 2025)."""
@@ -76,6 +77,7 @@ class TIS:
         return Correction(mask=valid, token_weights=w, piece_metrics=metrics, source=mm)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class SequenceIS:
     r"""Sequence-level IS: product (``reduce="sum"``: \(e^{\mathrm{clamp}(\sum_t \ell_t, \pm20)}\))
@@ -92,6 +94,7 @@ class SequenceIS:
         return Correction(mask=mm.valid, token_weights=torch.where(mm.valid, w[:, None], 0.0), source=mm)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class BandMask:
     """Reject outside ``[low, high]`` (token ratio, sequence product or geometric mean);
@@ -119,6 +122,7 @@ class BandMask:
         return Correction(mask=keep, token_weights=w, piece_metrics=rejected, source=mm)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class Veto:
     """Drop a sequence if any valid token's ratio is below ``threshold`` (Sparse-RL: 1e-4)."""
@@ -134,6 +138,7 @@ class Veto:
                           factor=RowFactor(mm.valid, None, ~vetoed))
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class Divergence:
     r"""Drop sequences whose max (or mean) per-token \(k_2 = \ell^2/2\) or
@@ -151,6 +156,7 @@ class Divergence:
                           piece_metrics={"correction/divergence_rejected_seqs": count(bad)}, source=mm)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class TailReject:
     """Drop sequences whose own ``q``-quantile of the acceptance rate is below ``tau``
@@ -170,6 +176,7 @@ class TailReject:
             "correction/tail_rejected_seqs": count(row_any(clean) & ~row_any(keep))}, source=mm)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class OPSM:
     r"""Off-policy sequence masking (DeepSeek-V3.2): drop a sequence when its advantage is
@@ -213,6 +220,7 @@ def normalize(c: Correction, group: object | None = None) -> Correction:
                       piece_metrics=c.piece_metrics, source=c.source, factor=c.factor)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class BatchNormalized:
     """Wrap a correction so its kept weights average 1 over the batch (all ranks of ``group``)."""

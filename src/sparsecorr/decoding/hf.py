@@ -7,13 +7,15 @@ imports transformers.
 
 | what the engine needs | transformers API wrapped here | verified |
 |---|---|---|
-| the cache object | a `transformers.cache_utils.Cache` subclass built with ``layers=[]``; the model calls ``update(key, value, layer_idx, cache_kwargs)`` (up to 5.23) or ``update(key, value, layer_idx, kwargs=...)`` (5.24) | 5.15.0 – 5.24.0 |
-| the forward keyword | ``past_key_values=`` (up to 5.23), ``cache=`` (5.24, where the old name warns until 5.40): chosen from the forward's signature | 5.15.0 – 5.24.0 |
-| the attention hook | ``AttentionInterface.register(name, fn)``, ``model.set_attn_implementation`` and ``config._attn_implementation``; ``fn(module, query, key, value, attention_mask, *, scaling, dropout, **kwargs)`` with ``module.layer_idx`` | 5.15.0 – 5.24.0 |
-| positions | ``position_ids=`` ``[B, Q]``, true positions (RoPE after eviction) | 5.15.0 – 5.24.0 |
-| config fields | ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``hidden_size``, ``vocab_size``; per attention module ``scaling``, ``sliding_window``, ``sinks``; ``attn_logit_softcapping`` | 5.15.0 – 5.24.0 |
+| the cache object | a `transformers.cache_utils.Cache` subclass built with ``layers=[]``; the model calls ``update(key, value, layer_idx, cache_kwargs)`` (up to 5.23) or ``update(key, value, layer_idx, kwargs=...)`` (5.24) | 5.9.0 – 5.24.0 |
+| the forward keyword | ``past_key_values=`` (up to 5.23), ``cache=`` (5.24, where the old name warns until 5.40): chosen from the forward's signature | 5.9.0 – 5.24.0 |
+| the attention hook | ``AttentionInterface.register(name, fn)``, ``model.set_attn_implementation`` and ``config._attn_implementation``; ``fn(module, query, key, value, attention_mask, *, scaling, dropout, **kwargs)`` with ``module.layer_idx`` | 5.9.0 – 5.24.0 |
+| positions | ``position_ids=`` ``[B, Q]``, true positions (RoPE after eviction) | 5.9.0 – 5.24.0 |
+| config fields | ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``hidden_size``, ``vocab_size``; per attention module ``scaling``, ``sliding_window``, ``sinks``; ``attn_logit_softcapping`` | 5.9.0 – 5.24.0 |
 
-`SUPPORTED` is the tested range (the ends are tested by ``make test-edges`` in CI). Outside it,
+`SUPPORTED` is the tested range (the ends are tested by ``make test-edges`` in CI). Its floor,
+5.9.0, is what verl 0.9.1 pins: the engine's tests pass there (torch 2.11.0, ``make
+test-lowest``), so the engine supports the stack instead of refusing it. Outside it,
 `check_transformers` raises one `UnsupportedTransformersError` that names the installed and the
 supported versions, before any model forward.
 
@@ -51,9 +53,9 @@ __all__ = [
 
 #: the transformers versions sparsecorr's decoding supports (pyproject.toml and the Makefile's
 #: TRANSFORMERS_RANGE say the same; tests/unit/test_versions.py checks they agree)
-SUPPORTED = SpecifierSet(">=5.15,<6")
+SUPPORTED = SpecifierSet(">=5.9,<6")
 #: the versions CI has run the decoding tests on: the lowest supported and the lock's
-TESTED = ("5.15.0", "5.24.0")
+TESTED = ("5.9.0", "5.24.0")
 
 
 class UnsupportedTransformersError(RuntimeError):
@@ -98,7 +100,7 @@ class CacheBase(Cache):
     def seq_length(self) -> int:
         raise NotImplementedError
 
-    # 5.15-5.23: update(k, v, layer_idx, cache_kwargs); 5.24: update(k, v, layer_idx, kwargs=...)
+    # 5.9-5.23: update(k, v, layer_idx, cache_kwargs); 5.24: update(k, v, layer_idx, kwargs=...)
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
         return self.write(layer_idx, key_states, value_states)
 

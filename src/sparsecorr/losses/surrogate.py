@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_number, count
+from .._checks import check_number, compile_safe_hash, count
 from .._ratio import clamp_log_ratio, ratio
 from .aggregation import scaled_sum
 from .linearize import linearized
@@ -64,6 +64,7 @@ class _Clip:
         _check_dual(self.dual_clip)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class PPOClip(_Clip):
     r"""Clipped PPO surrogate (GRPO, DAPO, Sparse-RL, TRL's ``grpo``/``dapo``/``bnpo``/``dr_grpo``).
@@ -81,6 +82,7 @@ class PPOClip(_Clip):
                                 dual_clip=self.dual_clip)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class GSPO(_Clip):
     r"""GSPO (Zheng et al. 2025): one length-normalised ratio per sequence, tight clip
@@ -115,6 +117,7 @@ class GSPO(_Clip):
         return SurrogateOutput(token_loss_, loss, ratio=r, kl_ratio=seq_ratio, sums=sums)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class CISPO:
     r"""CISPO (MiniMax-M1, 2025; TRL ``loss_type="cispo"``): REINFORCE on \(\text{logp}\) with the
@@ -137,6 +140,7 @@ class CISPO:
         return SurrogateOutput(token_loss, loss, ratio=r, kl_ratio=token_ratio(x), sums=sums)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class SAPO:
     r"""SAPO's soft gate (TRL ``loss_type="sapo"``): \(\frac{4}{\tau}\sigma(\tau(\rho - 1))\)
@@ -167,6 +171,7 @@ class SAPO:
 _LOG_1E8 = math.log(1e-8)
 
 
+@compile_safe_hash
 @dataclass(frozen=True)
 class VESPO:
     r"""VESPO (TRL 1.16 ``loss_type="vespo"``, arXiv 2602.10693): REINFORCE on

@@ -233,6 +233,24 @@ def test_vllm_kl_masks_and_counts_a_minus_inf_rollout_logprob():
     assert float(ours.last_metrics["correction/nonfinite_count"]) == 1.0
 
 
+def test_vllm_kl_is_openrlhfs_for_a_finite_logprob_beyond_the_log_ratio_clamp():
+    """A finite rollout log-prob far below the old one (log-ratio beyond the record's ±20 clamp)
+    moves ``vllm_kl`` as much as it moves OpenRLHF's: the unclamped masked mean (issue 35: the
+    clamped record mean gave -0.625 where OpenRLHF gives -3.1e28)."""
+    logp, old, rollout, mask, adv = _batch(5)
+    row, col = 1, 0
+    assert mask[row, col]
+    far = rollout.clone()
+    far[row, col] = -1e30  # finite: rollout_logp - old_logp = -1e30, far beyond -20
+    peer, ours = _both(("token", "mask", "ratio", (0.5, 5.0)))
+    p_vkl = peer(logp, old, adv, mask.float(), far)[3]
+    o_vkl = ours(logp, old, adv, mask, far)[3]
+    assert float(p_vkl) < -1e27  # OpenRLHF's value: about -1e30 / (number of tokens)
+    torch.testing.assert_close(o_vkl, p_vkl, rtol=1e-5, atol=0.0)
+    expected = torch.where(mask, far - old, 0.0).sum() / mask.sum()
+    torch.testing.assert_close(o_vkl, expected, rtol=1e-5, atol=0.0)
+
+
 def test_launcher_help_prints_flags_without_starting_ray(monkeypatch, capsys):
     def forbidden(*_a, **_k):
         raise AssertionError("--help must not install the hook or start Ray")

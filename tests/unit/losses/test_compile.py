@@ -7,6 +7,9 @@ without touching this file:
   the default metrics, for every correction preset, surrogate and aggregation;
 - ``torch.compile(fullgraph=True)`` equals eager in the loss, the gradient and every metric;
 - a second batch of the same shape does not recompile; ``dynamic=True`` serves other shapes;
+- all of it with the correction (and the surrogate object) built outside the compiled function
+  or inside it, as ``benchmarks/bench_losses.py`` does (torch 2.11's dynamo crashed hashing a
+  correction built inside: issue 35);
 - an eager forward + backward makes no host synchronisation (``aten._local_scalar_dense``).
 """
 
@@ -39,16 +42,23 @@ def _batch(b=4, t=8, seed=0):
     return logp, old, adv, mask, roll, acc
 
 
-def _step(kind: str, name: str):
+def _step(kind: str, name: str, built: str = "outside"):
     """``(logp, old, adv, mask, roll, acc) -> (loss, metrics)`` for one registry entry (the
-    other two axes at their defaults: sparse_rl(), PPO, token-mean)."""
-    corr = get_preset(name, **PRESET_ARGS.get(name, {})) if kind == "preset" else get_preset("sparse_rl")
+    other two axes at their defaults: sparse_rl(), PPO, token-mean). ``built="inside"`` builds
+    the correction and the surrogate object inside the step, on every call."""
+    preset = name if kind == "preset" else "sparse_rl"
     sur = name if kind == "surrogate" else "ppo"
     agg = name if kind == "aggregation" else "token-mean"
 
+    def parts():
+        return get_preset(preset, **PRESET_ARGS.get(preset, {})), SURROGATES[sur]()
+
+    outside = parts()
+
     def step(logp, old, adv, mask, roll, acc):
+        corr, surrogate = parts() if built == "inside" else outside
         mm = measure(old, roll, mask, acceptance=acc)
-        out = sparse_grpo(logp, old, adv, mask, mismatch=mm, correction=corr, surrogate=sur,
+        out = sparse_grpo(logp, old, adv, mask, mismatch=mm, correction=corr, surrogate=surrogate,
                           aggregation=agg)
         return out.loss, out.metrics
 
@@ -60,10 +70,11 @@ def _inputs(seed=0, **kw):
     return (logp.clone().requires_grad_(True), *rest)
 
 
+@pytest.mark.parametrize("built", ["outside", "inside"])
 @pytest.mark.parametrize("kind, name", CASES, ids=[f"{k}-{n}" for k, n in CASES])
-def test_no_graph_break(kind, name):
+def test_no_graph_break(kind, name, built):
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(_step(kind, name))(*_inputs())
+    explained = torch._dynamo.explain(_step(kind, name, built))(*_inputs())
     assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
 
 
@@ -100,16 +111,20 @@ def _compiled_equals_eager(step, compiled, seed):
         torch.testing.assert_close(m_c[k], m_e[k], rtol=1e-5, atol=1e-6, equal_nan=True, msg=k)
 
 
-#: compiling with backward costs seconds: the default suite compiles one entry of each registry,
-#: the slow suite all of them
-FAST = {("preset", "sparse_rl"), ("surrogate", "vespo"), ("aggregation", "seq-mean-token-mean")}
+#: compiling with backward costs seconds: the default suite compiles one entry of each registry
+#: (sparse_rl, the preset that nests a chain in a batch normalisation, built inside as well), the
+#: slow suite and the torch-range jobs (`make test-edges`) all of them, built inside and outside
+FAST = {("preset", "sparse_rl", "outside"), ("preset", "sparse_rl", "inside"),
+        ("surrogate", "vespo", "outside"), ("aggregation", "seq-mean-token-mean", "outside")}
+COMPILED = [(k, n, b) for k, n in CASES for b in ("outside", "inside")]
 
 
-@pytest.mark.parametrize("kind, name", [pytest.param(k, n, marks=[] if (k, n) in FAST else [pytest.mark.slow])
-                                        for k, n in CASES], ids=[f"{k}-{n}" for k, n in CASES])
-def test_fullgraph_compile_equals_eager_without_recompiling(kind, name):
+@pytest.mark.parametrize("kind, name, built", [
+    pytest.param(*c, marks=[] if c in FAST else [pytest.mark.slow]) for c in COMPILED],
+    ids=["-".join(c) for c in COMPILED])
+def test_fullgraph_compile_equals_eager_without_recompiling(kind, name, built):
     torch._dynamo.reset()
-    step = _step(kind, name)
+    step = _step(kind, name, built)
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     _compiled_equals_eager(step, compiled, seed=0)
     with torch._dynamo.config.patch(error_on_recompile=True):  # same shape, other values

@@ -31,6 +31,26 @@ from sparsecorr.mismatch import measure, mismatch_quantiles
 __all__ = ["SparsePolicyLoss"]
 
 
+@torch.no_grad()
+def _vllm_kl(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""OpenRLHF's ``vllm_kl``: \(\frac{1}{|M|}\sum_{t \in M} (\text{rollout\_logp}_t -
+    \text{old\_logp}_t)\) over the loss's tokens \(M\) where that difference is finite.
+
+    Unclamped, as OpenRLHF computes it: a finite log-prob beyond the record's ±20 log-ratio clamp
+    moves it as much as it moves OpenRLHF's (the record's ``mismatch/kl_k1_mean`` is the clamped
+    mean). A non-finite difference (a ``-inf`` log-prob) is left out, where OpenRLHF's mean
+    becomes non-finite; the loss leaves that token out too and counts it
+    (``correction/nonfinite_count``).
+
+    Shapes:
+        rollout_logp, old_logp, mask: ``[B, T]`` -> 0-d (float32, or float64 for float64 inputs).
+    """
+    dtype = torch.promote_types(torch.promote_types(rollout_logp.dtype, old_logp.dtype), torch.float32)
+    diff = rollout_logp.to(dtype) - old_logp.to(dtype)  # [B, T]
+    ok = mask & torch.isfinite(diff)  # [B, T]
+    return torch.where(ok, diff, 0.0).sum() / ok.sum().clamp(min=1)
+
+
 class SparsePolicyLoss(nn.Module):
     """OpenRLHF ``PolicyLoss`` computed by ``sparse_grpo`` with a sparsecorr correction.
 
@@ -133,10 +153,7 @@ class SparsePolicyLoss(nn.Module):
         ppo_kl = out.metrics["loss/ppo_kl_k1_mean"]
         vllm_kl = filter_ratio = None
         if self.correction is not None:
-            # OpenRLHF's vllm_kl: the mean of rollout_logp - old_logp over the finite tokens,
-            # -mean(log-ratio) of the record sparse_grpo measured (a non-finite log-prob is
-            # left out and counted, correction/nonfinite_count, instead of giving +-1e38)
-            vllm_kl = out.metrics["mismatch/kl_k1_mean"]
+            vllm_kl = _vllm_kl(rollout_log_probs, old_log_probs, mask)
             filter_ratio = out.metrics.get(
                 "correction/is_filter_ratio", 1.0 - out.metrics.get("correction/kept_token_frac", torch.ones(())))
         self.last_metrics = out.metrics
