@@ -21,7 +21,15 @@ import torch
 
 from .backends import AttentionBackend
 from .hf import CacheBase, register_attention
-from .policies import KeepSet, KVPolicy, compress, page_means, pages_to_mask, select_pages
+from .policies import (
+    KeepSet,
+    KVPolicy,
+    SelectionPlan,
+    compress,
+    page_means,
+    pages_to_mask,
+    select_pages,
+)
 from .pool import KVPool
 
 __all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active_cache", "forced_keep"]
@@ -37,7 +45,8 @@ class Step:
     Shapes:
         slots, positions ``[B, Q]`` (device): write slot and true position of each token (padding
         goes to the scratch page); real ``[B]`` (device): real tokens per row; mask
-        ``[B, 1, Q, kv_len]`` or None; query_slots, budgets ``[B, Q]`` (selection only).
+        ``[B, 1, Q, kv_len]`` or None; query_slots, budgets ``[B, Q]`` (selection only); plan: the
+        step's BlockTopK `SelectionPlan` (built once per step, shared by every sparse layer).
     """
 
     q_len: int
@@ -53,6 +62,7 @@ class Step:
     budgets: torch.Tensor | None = None
     keep_max: int = 0
     paged: bool = False  # single-token step through the backend's page tables
+    plan: SelectionPlan | None = None  # the selection's per-step part (once per step, not per layer)
 
 
 class SparseKVCache(CacheBase):
@@ -106,7 +116,7 @@ class SparseKVCache(CacheBase):
         st, pool = self.step, self.pool
         ps = pool.page_size
         pages, ok = select_pages(self.policy, summaries=pool.summ[layer], query=query,
-                                 slots=st.query_slots, budgets=st.budgets, k=st.keep_max)
+                                 slots=st.query_slots, budgets=st.budgets, k=st.keep_max, plan=st.plan)
         if st.paged:
             return self.backend.decode(query, pool.k[layer], pool.v[layer], selected=(pages[:, :, 0], ok[:, :, 0]))
         if st.q_len > 1:  # a teacher-forced chunk: one page mask per query

@@ -26,7 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 from .backends import AttentionBackend
 from .cache import SparseKVCache, Step
 from .hf import forward, model_spec
-from .policies import KVPolicy, keep_counts
+from .policies import KVPolicy, keep_counts, selection_plan
 from .pool import KVPool
 
 if TYPE_CHECKING:
@@ -144,18 +144,23 @@ class Engine:
                 keep = keep_counts(self.policy, slots=qslots, budgets=budgets)
                 st.select, st.keep_max = True, int(keep.max())
                 st.query_slots, st.budgets = self._dev(qslots), self._dev(budgets)
+                st.plan = selection_plan(self.policy, slots=st.query_slots, budgets=st.budgets, k=st.keep_max,
+                                         n_pages=self.pool.pages_per_row, keep=self._dev(keep))
         # a paged kernel has no backward: a grad-enabled forward stays on the autograd path
         st.paged = (bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
                     and not torch.is_grad_enabled())
         return st
 
-    def _begin_paged_step(self) -> None:
-        """Plan a paged single-token step (one plan per step, shared by every layer)."""
+    def _begin_paged_step(self, *, k: int | None = None) -> None:
+        """Plan a paged single-token step (one plan per step, shared by every layer). ``k``: the
+        pages each sparse layer's selection lists per row (a captured step's static ``keep_cap``;
+        default this step's largest keep count)."""
         keep = None
         if self.policy.kind == "selection":
             keep = keep_counts(self.policy, slots=self.count, budgets=self.budget_at(self.ctx + 1))
+            k = min(int(keep.max()) if k is None else k, self.pool.pages_per_row)
         self.cache.backend.begin_step(
-            lengths=self.count + 1, keep=keep, heads=self.heads_kv, group=self.heads_q // self.heads_kv,
+            lengths=self.count + 1, keep=keep, k=k, heads=self.heads_kv, group=self.heads_q // self.heads_kv,
             head_dim=self.head_dim, pages_per_row=self.pool.pages_per_row, page_size=self.pool.page_size,
             dtype=self.dtype, scale=self.spec.scaling, device=self.device)
 

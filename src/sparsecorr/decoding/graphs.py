@@ -36,6 +36,7 @@ import torch
 
 from .cache import Step
 from .hf import forward
+from .policies import selection_plan
 
 __all__ = ["CudaGraphRunner", "DecodeGraphs", "EagerRunner", "capture_stream", "check_graph_device"]
 
@@ -106,6 +107,9 @@ def _graph_forward(model, cache, step: Step, ids: torch.Tensor) -> torch.Tensor:
     the static device counts. Closes over no engine (see the module's *Ownership*)."""
     cap = cache.pool.capacity
     step.mask = (torch.arange(cap, device=ids.device) <= step.counts[:, None])[:, None, None, :]
+    if step.select:  # the selection's per-step part, once per step inside the graph
+        step.plan = selection_plan(cache.policy, slots=step.query_slots, budgets=step.budgets, k=step.keep_max,
+                                   n_pages=cache.pool.pages_per_row)
     cache.step = step
     return forward(model, input_ids=ids, position_ids=step.positions, cache=cache, logits_to_keep=1).logits[:, -1]
 
@@ -164,7 +168,7 @@ class DecodeGraphs:
             e.cache.backend.enable_graph(batch=b, heads=e.heads_kv, pages_per_row=e.pool.pages_per_row,
                                          keep_cap=e.keep_cap, group=e.heads_q // e.heads_kv,
                                          head_dim=e.head_dim, device=e.device)
-            e._begin_paged_step()
+            e._begin_paged_step(k=e.keep_cap)
         static_ids = torch.zeros_like(ids)
         c = _Captured(runner=None, step=st, ids=static_ids)
         self._load(e, c, ids)
@@ -193,5 +197,5 @@ class DecodeGraphs:
             return None
         self._load(engine, c, ids)
         if c.step.paged:
-            engine._begin_paged_step()  # plan outside the graph, into its fixed buffers
+            engine._begin_paged_step(k=engine.keep_cap)  # plan outside the graph, into its fixed buffers
         return SimpleNamespace(logits=c.runner.replay()[:, None].clone())

@@ -23,11 +23,12 @@ def checked(monkeypatch):
     events = []
     original = SparseKVCache.compress
 
-    def compress(self, budgets, counts, query_valid):
+    def compress(self, budgets, counts, query_valid, **kw):
         _check(self.pool, counts, "before compression")
-        original(self, budgets, counts, query_valid)
+        kept = original(self, budgets, counts, query_valid, **kw)
         _check(self.pool, torch.minimum(counts, budgets), "after compression")
         events.append(int(counts.max()))
+        return kept
 
     monkeypatch.setattr(SparseKVCache, "compress", compress)
     return events
