@@ -63,6 +63,7 @@ class Step:
     keep_max: int = 0
     paged: bool = False  # single-token step through the backend's page tables
     plan: SelectionPlan | None = None  # the selection's per-step part (once per step, not per layer)
+    win_slots: torch.Tensor | None = None  # [B, Q] ring columns of the queries (eviction policies)
 
 
 class SparseKVCache(CacheBase):
@@ -86,7 +87,7 @@ class SparseKVCache(CacheBase):
     def attend(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
         st, pool = self.step, self.pool
         if pool.win is not None:
-            pool.push_queries(layer, query, st.real)
+            pool.push_queries(layer, query, st.win_slots)
         sparse_layer = self.policy.kind == "selection" and layer >= self.policy.dense_layers
         if sparse_layer:
             self._refresh_summaries(layer)
@@ -135,12 +136,15 @@ class SparseKVCache(CacheBase):
 
     def compress(self, budgets: torch.Tensor, counts: torch.Tensor, query_valid: torch.Tensor | None, *,
                  forced: torch.Tensor | None = None, due: torch.Tensor | None = None,
-                 record: bool = False) -> torch.Tensor | None:
+                 record: bool = False, order: torch.Tensor | None = None) -> torch.Tensor | None:
         """Evict every layer down to ``budgets`` (host ``[B]``; a row's own count = keep all).
 
         ``forced`` replaces the policy's choice on the ``due`` rows by given kept positions (a
         replay of recorded kept sets); with ``record`` the kept true positions of every layer
-        are returned (-1 padded).
+        are returned (-1 padded). ``order`` (``[B, W]`` device, `sparsecorr.decoding.pool.ring_order`)
+        puts each layer's observation ring in time order (one gather per layer, only here; without
+        it the ring's columns are read as stored: the votes do not depend on the window's order,
+        but their float sums may round differently).
 
         Shapes:
             budgets, counts ``[B]`` CPU long (valid slots per row before); query_valid ``[B, W]``;
@@ -157,7 +161,8 @@ class SparseKVCache(CacheBase):
         for i in range(self.num_layers):
             keys, positions = pool.k[i][:, :, :s].detach(), pool.pos[i][:, :, :s]
             if forced is None:
-                q = pool.win[i] if pool.win is not None else keys.new_zeros(b, keys.shape[1], 0, keys.shape[-1])
+                q = keys.new_zeros(b, keys.shape[1], 0, keys.shape[-1]) if pool.win is None else \
+                    pool.win[i][:, :, :pool.window] if order is None else pool.window_in_order(i, order)
                 keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=positions,
                                 budget=budgets, query_valid=query_valid, max_budget=top)
             else:

@@ -27,7 +27,7 @@ from .backends import AttentionBackend
 from .cache import SparseKVCache, Step
 from .hf import forward, model_spec
 from .policies import KVPolicy, keep_counts, selection_plan
-from .pool import KVPool
+from .pool import KVPool, ring_order, ring_slots
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -134,6 +134,8 @@ class Engine:
             torch.arange(kv_len, device=dev) <= (counts[:, None] + torch.arange(q_len, device=dev))[:, :, None])[:, None]
         st = Step(q_len=q_len, kv_len=kv_len, slots=self._dev(slots), positions=self._dev(self.ctx[:, None] + i),
                   real=self._dev(real), mask=mask, counts=counts)
+        if self.pool.win is not None:  # the queries' ring columns, once per step (not per layer)
+            st.win_slots = self._dev(ring_slots(self.ctx, real, q_len, self.pool.window))
         if self.policy.kind == "selection":
             ps = self.pool.page_size
             single = q_len == 1 and decode
@@ -196,13 +198,14 @@ class Engine:
         if not bool(due.any()):
             return
         eff = torch.where(due, budget, self.count)
-        w = self.pool.win[0].shape[2] if self.pool.win is not None else 0
+        w = self.pool.window if self.pool.win is not None else 0
         qv = None
         if w and bool((self.ctx < w).any()):  # a row that has not seen a full window yet
             qv = (torch.arange(w) >= w - self.ctx.clamp(max=w)[:, None]).to(self.device)
         forced = None if self.forced_keep is None else self._forced(due)
+        order = self._dev(ring_order(self.ctx, w)) if w and forced is None else None
         kept = self.cache.compress(eff, self.count, qv, forced=forced, due=self._dev(due),
-                                   record=self.kept_events is not None)
+                                   record=self.kept_events is not None, order=order)
         if kept is not None:  # the due rows' kept positions, keyed by (caller's row, context)
             self.kept_events.append((self.rows[due], self.ctx[due], kept[self._dev(due.nonzero().squeeze(1))]))
         self.count = torch.minimum(self.count, eff)

@@ -11,8 +11,8 @@ in static device buffers refreshed before each replay; compression, sampling, Fl
 that finish stay as masked dummies until the live rows fit the next smaller power of two
 (`sparsecorr.decoding.loops.rows_to_keep`), then the batch shrinks and the next step captures.
 
-Capture runs one eager warm-up step on a side stream first (it writes the step's own K/V, which
-the replay rewrites, and shifts the observation windows, which are restored). If capture fails,
+Capture runs one eager warm-up step on a side stream first (it writes the step's own K/V and
+its queries' observation-ring column, which the replay rewrites; the rings are also restored). If capture fails,
 the engine warns once and stays eager; ``RolloutBatch.meta["cuda_graph"]`` says which happened.
 
 **Ownership.** The warm-up and the capture run on one stream per device (`capture_stream`),
@@ -147,7 +147,8 @@ class DecodeGraphs:
                     real=torch.ones(b, dtype=torch.long, device=dev), mask=None, counts=z(b),
                     select=select, query_slots=z(b, 1) if select else None,
                     budgets=z(b, 1) if select else None, keep_max=e.keep_cap if select else 0,
-                    paged=bool(getattr(e.cache.backend, "paged", False)))
+                    paged=bool(getattr(e.cache.backend, "paged", False)),
+                    win_slots=z(b, 1) if e.pool.win is not None else None)
 
     @staticmethod
     def _load(e, c: _Captured, ids: torch.Tensor) -> None:
@@ -157,6 +158,8 @@ class DecodeGraphs:
         st.counts.copy_(e.count, **nb)
         st.slots.copy_(e.count[:, None], **nb)
         st.positions.copy_(e.ctx[:, None], **nb)
+        if st.win_slots is not None:  # one real token per row: its position's ring column
+            st.win_slots.copy_(e.ctx[:, None] % e.pool.window, **nb)
         if st.select:
             st.query_slots.copy_(e.count[:, None], **nb)
             st.budgets.copy_(e.budget_at(e.ctx[:, None] + 1), **nb)

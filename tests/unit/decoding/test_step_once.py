@@ -9,18 +9,19 @@ CUDA-graph step run by `EagerRunner`), through SDPA and through the paged oracle
 import pytest
 import torch
 
-from sparsecorr.decoding import BlockTopK
+from sparsecorr.decoding import RKV, BlockTopK, SnapKV
 from sparsecorr.decoding.backends import PagedBackend, ReferenceDecodeKernel, TorchBackend
-from sparsecorr.decoding.cache import ATTN_NAME, active_cache
+from sparsecorr.decoding.cache import ATTN_NAME, SparseKVCache, active_cache
 from sparsecorr.decoding.engine import Engine, pool_capacity
 from sparsecorr.decoding.graphs import DecodeGraphs, EagerRunner
 from sparsecorr.decoding.hf import sparse_attention
 from sparsecorr.decoding.loops import Sampling, decode_loop, prefill
+from sparsecorr.decoding.pool import KVPool
 from sparsecorr.decoding.validate import budget_table
 from tests.models import tiny_model
 
 
-def _decode(model, ids, policy, budget, *, backend, graphs: bool, steps=12):
+def _decode(model, ids, policy, budget, *, backend, graphs: bool, steps=12, events=None):
     lens = torch.full((ids.shape[0],), ids.shape[1])
     lens[0] -= 2  # ragged rows: a mask in every step
     table = budget_table(budget, dense=policy.kind == "dense", longest=ids.shape[1] + steps)
@@ -29,6 +30,7 @@ def _decode(model, ids, policy, budget, *, backend, graphs: bool, steps=12):
                     grad=False)
     if graphs:
         engine.graphs = DecodeGraphs(runner=EagerRunner)
+    engine.kept_events = events
     samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=3, generator=None)
 
     class Bar:
@@ -80,3 +82,41 @@ def test_selection_plan_once_per_step_equals_per_layer(monkeypatch, backend, gra
     _same(got, ref)
     if backend[0] == "paged":
         assert ref_calls and all(o is not None for o in ref_calls)  # today's code passed them
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("policy", [SnapKV(window=3, buffer=2, sink=1), RKV(window=4, buffer=3)],
+                         ids=lambda p: p.name)
+def test_ring_window_equals_the_shift_window(monkeypatch, policy, graphs):
+    """The observation ring (one scatter per layer and step, put in order at compression) hands
+    every compression exactly the window the shifted window it replaced (cat + gather + copy per
+    layer and step, kept here beside it) holds, with chunks longer than the window (prefill),
+    ragged rows and compressions in prefill and decode; so the kept sets, tokens and log-probs
+    are today's."""
+    model = tiny_model("qwen3", num_layers=2)
+    ids = torch.randint(3, 128, (3, 21), generator=torch.Generator().manual_seed(1))
+    shift: dict = {}  # layer -> the window as it was kept before the ring (oldest first)
+    checked = []
+    attend, in_order = SparseKVCache.attend, KVPool.window_in_order
+
+    def shifted(self, layer, query, key, value, scaling):
+        win = shift.get(layer, torch.zeros_like(self.pool.win[layer][:, :, :self.pool.window]))
+        b, hq, w, d = win.shape
+        both = torch.cat([win, query.detach().to(win.dtype)], dim=2)
+        idx = self.step.real[:, None] + torch.arange(w)
+        shift[layer] = both.gather(2, idx[:, None, :, None].expand(b, hq, w, d))
+        return attend(self, layer, query, key, value, scaling)
+
+    def compared(self, layer, order):
+        ring = in_order(self, layer, order)
+        assert torch.equal(ring, shift[layer]), f"layer {layer}: ring window != shifted window"
+        checked.append(layer)
+        return ring
+
+    events = []
+    got = _decode(model, ids, policy, 8, backend=TorchBackend(), graphs=graphs, events=events)
+    monkeypatch.setattr(SparseKVCache, "attend", shifted)
+    monkeypatch.setattr(KVPool, "window_in_order", compared)
+    ref = _decode(model, ids, policy, 8, backend=TorchBackend(), graphs=graphs, events=[])
+    assert len(checked) >= 6 and len(events) >= 3  # compressions in prefill and in decode, every layer
+    _same(got, ref)
