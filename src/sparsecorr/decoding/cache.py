@@ -26,7 +26,6 @@ from .policies import (
     KVPolicy,
     SelectionPlan,
     compress,
-    page_means,
     pages_to_mask,
     select_pages,
 )
@@ -56,7 +55,7 @@ class Step:
     real: torch.Tensor
     mask: torch.Tensor | None
     counts: torch.Tensor  # [B] device, valid slots before this forward
-    refresh: tuple[int, int] | None = None  # page summaries to rewrite after the write
+    pages: torch.Tensor | None = None  # [B, Q] page of each write slot (selection: the running page sums)
     select: bool = False  # selection policy in force (decode phase)
     query_slots: torch.Tensor | None = None
     budgets: torch.Tensor | None = None
@@ -77,7 +76,7 @@ class SparseKVCache(CacheBase):
     # -- the cache protocol of hf.CacheBase ---------------------------------------------------
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         st = self.step
-        self.pool.write(layer_idx, key, value, st.slots, st.positions)
+        self.pool.write(layer_idx, key, value, st.slots, st.positions, st.pages)
         return self.pool.k[layer_idx][:, :, :st.kv_len], self.pool.v[layer_idx][:, :, :st.kv_len]
 
     def seq_length(self) -> int:
@@ -89,29 +88,11 @@ class SparseKVCache(CacheBase):
         if pool.win is not None:
             pool.push_queries(layer, query, st.win_slots)
         sparse_layer = self.policy.kind == "selection" and layer >= self.policy.dense_layers
-        if sparse_layer:
-            self._refresh_summaries(layer)
         if sparse_layer and st.select:
             return self._attend_selected(layer, query, key, value, scaling)
         if st.paged:
             return self.backend.decode(query, pool.k[layer], pool.v[layer])
         return self.backend.attend(query, key, value, st.mask, scaling=scaling)
-
-    def _refresh_summaries(self, layer: int) -> None:
-        """Rewrite the mean key of pages completed by this forward (after the write)."""
-        st, pool = self.step, self.pool
-        ps, summ, keys = pool.page_size, pool.summ[layer], pool.k[layer].detach()
-        if st.refresh is not None:  # a chunk: every page it may have completed
-            p0, p1 = st.refresh
-            summ[:, :, p0:p1] = page_means(keys[:, :, p0 * ps:p1 * ps], page_size=ps)
-            return
-        # one token per row: the row's most recently completed page
-        b, h, _, d = keys.shape
-        page = ((st.counts + 1) // ps - 1).clamp(min=0)  # [B]
-        idx = page[:, None] * ps + torch.arange(ps, device=keys.device)
-        block = keys.gather(2, idx[:, None, :, None].expand(b, h, ps, d))
-        mean = page_means(block, page_size=ps)  # [B, H, 1, D]
-        summ.scatter_(2, page[:, None, None, None].expand(b, h, 1, d), mean)
 
     def _attend_selected(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
         st, pool = self.step, self.pool

@@ -138,8 +138,7 @@ class Engine:
             st.win_slots = self._dev(ring_slots(self.ctx, real, q_len, self.pool.window))
         if self.policy.kind == "selection":
             ps = self.pool.page_size
-            single = q_len == 1 and decode
-            st.refresh = None if single else (int(self.count.min()) // ps, kv_len // ps)
+            st.pages = self._dev(slots // ps)  # the running page sums' index, once per step
             if decode:
                 qslots = self.count[:, None] + i
                 budgets = self.budget_at(self.ctx[:, None] + i + 1)

@@ -12,7 +12,8 @@ that finish stay as masked dummies until the live rows fit the next smaller powe
 (`sparsecorr.decoding.loops.rows_to_keep`), then the batch shrinks and the next step captures.
 
 Capture runs one eager warm-up step on a side stream first (it writes the step's own K/V and
-its queries' observation-ring column, which the replay rewrites; the rings are also restored). If capture fails,
+its queries' observation-ring column, which the replay rewrites; the rings and the running page
+sums are restored). If capture fails,
 the engine warns once and stays eager; ``RolloutBatch.meta["cuda_graph"]`` says which happened.
 
 **Ownership.** The warm-up and the capture run on one stream per device (`capture_stream`),
@@ -62,17 +63,18 @@ def check_graph_device(device: torch.device) -> None:
 
 class CudaGraphRunner:
     """Warm up ``fn`` on the device's capture stream, capture it there, replay it (the output
-    tensor is rewritten in place by every replay). The warm-up's side effects on the observation
-    windows are undone. ``fn`` is not kept."""
+    tensor is rewritten in place by every replay). The warm-up's side effects on ``restore`` (the
+    observation rings and the running page sums, which a replay would otherwise add to twice) are
+    undone. ``fn`` is not kept."""
 
-    def __init__(self, fn, *, pool, windows: list[torch.Tensor], device: torch.device) -> None:
-        saved = [w.clone() for w in windows]
+    def __init__(self, fn, *, pool, restore: list[torch.Tensor], device: torch.device) -> None:
+        saved = [w.clone() for w in restore]
         side = capture_stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()  # lazy initialisations (cuBLAS handles, FlashInfer modules) happen outside capture
         torch.cuda.current_stream().wait_stream(side)
-        for w, s in zip(windows, saved):
+        for w, s in zip(restore, saved):
             w.copy_(s)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, stream=side):
@@ -148,7 +150,8 @@ class DecodeGraphs:
                     select=select, query_slots=z(b, 1) if select else None,
                     budgets=z(b, 1) if select else None, keep_max=e.keep_cap if select else 0,
                     paged=bool(getattr(e.cache.backend, "paged", False)),
-                    win_slots=z(b, 1) if e.pool.win is not None else None)
+                    win_slots=z(b, 1) if e.pool.win is not None else None,
+                    pages=z(b, 1) if select else None)
 
     @staticmethod
     def _load(e, c: _Captured, ids: torch.Tensor) -> None:
@@ -161,6 +164,7 @@ class DecodeGraphs:
         if st.win_slots is not None:  # one real token per row: its position's ring column
             st.win_slots.copy_(e.ctx[:, None] % e.pool.window, **nb)
         if st.select:
+            st.pages.copy_(e.count[:, None] // e.pool.page_size, **nb)
             st.query_slots.copy_(e.count[:, None], **nb)
             st.budgets.copy_(e.budget_at(e.ctx[:, None] + 1), **nb)
 
@@ -178,7 +182,8 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self.captured = {}  # a smaller batch never comes back: free the older graph first
         c.runner = self.runner(functools.partial(_graph_forward, e.model, e.cache, st, static_ids),
-                               pool=self.pool, windows=e.pool.win or [], device=e.device)
+                               pool=self.pool,
+                               restore=(e.pool.win or []) + (e.pool.summ or []), device=e.device)
         self.capture_s += time.perf_counter() - t0  # torch.cuda.graph syncs on entry
         self.captures += 1
         self.captured = {b: c}

@@ -15,7 +15,9 @@ layer's prefill query tensor stays alive) in a **ring**: the query at position \
 column \(p \bmod W\), so a step writes each layer's queries with one scatter at indices built
 once per step (`ring_slots`; a dump column ``W`` takes padding and queries older than the
 window), and the window is put in order (oldest first, `ring_order`) only when a compression
-reads it. Selection policies keep the mean key of every complete page (the page summaries). With autograd on (``grad=True``) every update is out of
+reads it. Selection policies keep the running float32 **sum** of the keys of every page (the
+page summaries): each write adds its keys to their pages (one ``scatter_add_`` per layer at page
+indices built once per step), so no summary is ever recomputed from the cache. With autograd on (``grad=True``) every update is out of
 place, so earlier attention calls keep the tensors they read.
 """
 
@@ -32,7 +34,8 @@ class KVPool:
     Shapes:
         k[i], v[i]: ``[B, H_kv, C + page, D]``; pos[i]: ``[B, H_kv, C + page]`` long;
         win[i]: ``[B, H_q, W + 1, D]`` (a ring: position p in column p mod W, column W a dump);
-        summ[i]: ``[B, H_kv, C / page + 1, D]``.
+        summ[i]: ``[B, H_kv, C / page + 1, D]`` float32 (the sum of each page's keys; the
+        scratch page's entry collects padding and is never read).
     """
 
     def __init__(self, *, layers: int, batch: int, kv_heads: int, q_heads: int, head_dim: int,
@@ -52,8 +55,8 @@ class KVPool:
         self.window = window
         self.win = [torch.zeros(batch, q_heads, window + 1, head_dim, dtype=dtype, device=device)
                     for _ in range(layers)] if window > 0 else None
-        self.summ = [torch.zeros(batch, kv_heads, self.pages_per_row, head_dim, dtype=dtype, device=device)
-                     for _ in range(layers)] if summaries else None
+        self.summ = [torch.zeros(batch, kv_heads, self.pages_per_row, head_dim, dtype=torch.float32,
+                                 device=device) for _ in range(layers)] if summaries else None
 
     def allocated_bytes(self) -> int:
         """Bytes of every buffer the pool holds (K, V, positions, windows, summaries)."""
@@ -66,11 +69,13 @@ class KVPool:
         return 2 * len(self.k) * k.shape[1] * k.shape[3] * k.element_size()
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor) -> None:
-        """Write a chunk's K/V (and positions) at per-row ``slots``.
+              positions: torch.Tensor, pages: torch.Tensor | None = None) -> None:
+        """Write a chunk's K/V (and positions) at per-row ``slots``; with page summaries, add the
+        keys to the running sums of their ``pages`` (``slots // page``, built once per step).
+        A slot must be written once (the sums are not recomputed; graph warm-ups restore them).
 
         Shapes:
-            key, value ``[B, H_kv, Q, D]``; slots, positions ``[B, Q]`` (device, long).
+            key, value ``[B, H_kv, Q, D]``; slots, positions, pages ``[B, Q]`` (device, long).
         """
         b, h, q, d = key.shape
         idx = slots[:, None, :, None].expand(b, h, q, d)
@@ -82,6 +87,8 @@ class KVPool:
             self.v[layer].scatter_(2, idx, value)
         if self.pos is not None:
             self.pos[layer].scatter_(2, idx[..., 0], positions[:, None, :].expand(b, h, q))
+        if self.summ is not None and pages is not None:
+            self.summ[layer].scatter_add_(2, pages[:, None, :, None].expand(b, h, q, d), key.detach().float())
 
     def push_queries(self, layer: int, query: torch.Tensor, slots: torch.Tensor) -> None:
         """Write a chunk's queries into the observation ring at ``slots`` (from `ring_slots`,

@@ -120,3 +120,55 @@ def test_ring_window_equals_the_shift_window(monkeypatch, policy, graphs):
     ref = _decode(model, ids, policy, 8, backend=TorchBackend(), graphs=graphs, events=[])
     assert len(checked) >= 6 and len(events) >= 3  # compressions in prefill and in decode, every layer
     _same(got, ref)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("backend", _backends(), ids=lambda b: b[0])
+def test_running_page_sums_select_todays_pages(monkeypatch, backend, graphs):
+    """BlockTopK: the running float32 page sums (added to by every K write) select, in every
+    sparse layer of every step, the pages that today's page means (recomputed from the cached
+    keys) select; float32 model, ragged prefill and decode."""
+    import sparsecorr.decoding.cache as cache_mod
+    from sparsecorr.decoding.policies import page_means
+
+    model = tiny_model("qwen3", num_layers=3)
+    ids = torch.randint(3, 128, (3, 21), generator=torch.Generator().manual_seed(2))
+    policy = BlockTopK(page_size=4, dense_layers=1)
+    select, compared = cache_mod.select_pages, []
+
+    def both(pol, *, summaries, query, **kw):
+        cache = cache_mod._ACTIVE.get()
+        layer = next(i for i, s in enumerate(cache.pool.summ) if s is summaries)
+        keys = cache.pool.k[layer]
+        means = page_means(keys, page_size=cache.pool.page_size)  # every page's mean, as stored before
+        got = select(pol, summaries=summaries, query=query, **kw)
+        want = select(pol, summaries=means, query=query, **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer}"
+        compared.append(layer)
+        return got
+
+    monkeypatch.setattr(cache_mod, "select_pages", both)
+    _decode(model, ids, policy, 8, backend=backend[1](), graphs=graphs)
+    assert len(compared) >= 2 * 11  # two sparse layers, every decode step
+
+
+def test_running_page_sums_are_the_page_sums_of_the_pool():
+    """KVPool.write adds each written key to its page's float32 sum (padding to the scratch page)."""
+    from sparsecorr.decoding.pool import KVPool
+
+    g = torch.Generator().manual_seed(0)
+    pool = KVPool(layers=1, batch=2, kv_heads=2, q_heads=4, head_dim=3, capacity=12, page_size=4,
+                  dtype=torch.bfloat16, device=torch.device("cpu"), positions=False, window=0,
+                  summaries=True, grad=False)
+    count = torch.zeros(2, dtype=torch.long)
+    for q_len in (5, 1, 3, 1, 1):
+        real = torch.randint(0, q_len + 1, (2,), generator=g)
+        i = torch.arange(q_len)
+        slots = torch.where(i < real[:, None], count[:, None] + i, pool.scratch)
+        key = torch.randn(2, 2, q_len, 3, generator=g).to(torch.bfloat16)
+        pool.write(0, key, key, slots, slots, slots // pool.page_size)
+        count += real
+    for b in range(2):
+        n = int(count[b]) // 4  # complete pages
+        want = pool.k[0][b, :, :n * 4].float().reshape(2, n, 4, 3).sum(2)
+        torch.testing.assert_close(pool.summ[0][b, :, :n], want, atol=1e-6, rtol=1e-6)
