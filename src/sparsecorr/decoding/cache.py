@@ -76,7 +76,9 @@ class SparseKVCache(CacheBase):
     # -- the cache protocol of hf.CacheBase ---------------------------------------------------
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         st = self.step
-        self.pool.write(layer_idx, key, value, st.slots, st.positions, st.pages)
+        if layer_idx == 0 and self.pool.pos is not None:  # every layer's positions, once per step
+            self.pool.write_positions(st.slots, st.positions)
+        self.pool.write(layer_idx, key, value, st.slots, st.pages)
         return self.pool.k[layer_idx][:, :, :st.kv_len], self.pool.v[layer_idx][:, :, :st.kv_len]
 
     def seq_length(self) -> int:

@@ -10,7 +10,8 @@ write, no ``torch.cat``), and a compression event gathers the kept slots to the 
 kernel (`sparsecorr.decoding.backends.paged`).
 
 Eviction policies also keep each slot's true position (``[B, H_kv, C + page]``: after eviction
-the heads keep different tokens) and the last ``window`` queries of every layer (a copy, so no
+the heads keep different tokens; one ``[L, B, H_kv, C + page]`` tensor, so a step writes every
+layer's positions with one scatter, `write_positions`) and the last ``window`` queries of every layer (a copy, so no
 layer's prefill query tensor stays alive) in a **ring**: the query at position \(p\) lives in
 column \(p \bmod W\), so a step writes each layer's queries with one scatter at indices built
 once per step (`ring_slots`; a dump column ``W`` takes padding and queries older than the
@@ -50,8 +51,8 @@ class KVPool:
         shape = (batch, kv_heads, total, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.pos = [torch.zeros(shape[:3], dtype=torch.long, device=device) for _ in range(layers)] \
-            if positions else None
+        self.pos_all = torch.zeros(layers, *shape[:3], dtype=torch.long, device=device) if positions else None
+        self.pos = list(self.pos_all.unbind(0)) if positions else None  # per-layer views
         self.window = window
         self.win = [torch.zeros(batch, q_heads, window + 1, head_dim, dtype=dtype, device=device)
                     for _ in range(layers)] if window > 0 else None
@@ -69,13 +70,13 @@ class KVPool:
         return 2 * len(self.k) * k.shape[1] * k.shape[3] * k.element_size()
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor, pages: torch.Tensor | None = None) -> None:
-        """Write a chunk's K/V (and positions) at per-row ``slots``; with page summaries, add the
+              pages: torch.Tensor | None = None) -> None:
+        """Write a chunk's K/V at per-row ``slots``; with page summaries, add the
         keys to the running sums of their ``pages`` (``slots // page``, built once per step).
         A slot must be written once (the sums are not recomputed; graph warm-ups restore them).
 
         Shapes:
-            key, value ``[B, H_kv, Q, D]``; slots, positions, pages ``[B, Q]`` (device, long).
+            key, value ``[B, H_kv, Q, D]``; slots, pages ``[B, Q]`` (device, long).
         """
         b, h, q, d = key.shape
         idx = slots[:, None, :, None].expand(b, h, q, d)
@@ -85,10 +86,19 @@ class KVPool:
         else:
             self.k[layer].scatter_(2, idx, key)
             self.v[layer].scatter_(2, idx, value)
-        if self.pos is not None:
-            self.pos[layer].scatter_(2, idx[..., 0], positions[:, None, :].expand(b, h, q))
         if self.summ is not None and pages is not None:
             self.summ[layer].scatter_add_(2, pages[:, None, :, None].expand(b, h, q, d), key.detach().float())
+
+    def write_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write a chunk's true positions at per-row ``slots`` in every layer at once (one scatter
+        per step; every layer writes a step's tokens at the same slots).
+
+        Shapes:
+            slots, positions ``[B, Q]`` (device, long).
+        """
+        n, b, h, _ = self.pos_all.shape
+        shape = (n, b, h, slots.shape[1])
+        self.pos_all.scatter_(3, slots[None, :, None, :].expand(shape), positions[None, :, None, :].expand(shape))
 
     def push_queries(self, layer: int, query: torch.Tensor, slots: torch.Tensor) -> None:
         """Write a chunk's queries into the observation ring at ``slots`` (from `ring_slots`,
@@ -128,9 +138,12 @@ class KVPool:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (device, long) in every buffer (one layer at a time, so
         the transient extra memory is one layer's buffer)."""
-        for group in (self.k, self.v, self.pos, self.win, self.summ):
+        for group in (self.k, self.v, self.win, self.summ):
             for i, t in enumerate(group or []):
                 group[i] = t.index_select(0, rows)
+        if self.pos_all is not None:
+            self.pos_all = self.pos_all.index_select(1, rows)
+            self.pos = list(self.pos_all.unbind(0))
 
 
 def ring_slots(ctx: torch.Tensor, real: torch.Tensor, q_len: int, window: int) -> torch.Tensor:

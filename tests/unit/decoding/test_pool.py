@@ -21,9 +21,10 @@ def test_layout_and_writes_at_per_row_slots():
     assert pool.k[0].shape == (2, 2, 16, 3) and pool.summ[0].shape == (2, 2, 4, 3)
     key = torch.arange(2 * 2 * 3 * 3, dtype=torch.float32).reshape(2, 2, 3, 3)
     slots = torch.tensor([[0, 1, 2], [5, 6, 12]])  # row 1: 2 real tokens, padding -> scratch
-    pool.write(0, key, -key, slots, torch.tensor([[0, 1, 2], [7, 8, 9]]))
+    pool.write(0, key, -key, slots)
+    pool.write_positions(slots, torch.tensor([[0, 1, 2], [7, 8, 9]]))  # every layer's, in one scatter
     assert torch.equal(pool.k[0][0, :, :3], key[0]) and torch.equal(pool.v[0][1, :, 5:7], -key[1, :, :2])
-    assert torch.equal(pool.pos[0][1, 0, 5:7], torch.tensor([7, 8]))
+    assert torch.equal(pool.pos[0][1, 0, 5:7], torch.tensor([7, 8])) and torch.equal(pool.pos[1], pool.pos[0])
     assert (pool.k[0][1, :, :5] == 0).all() and (pool.k[1] == 0).all()  # other slots / layers untouched
     assert pool.slot_bytes() == 2 * 2 * 2 * 3 * 4
 
@@ -88,12 +89,16 @@ def test_select_rows_and_out_of_place_updates_with_grad():
     pool = _pool(grad=True)
     key = torch.ones(2, 2, 1, 3, requires_grad=True)
     before = pool.k[0]
-    pool.write(0, key * 2, key, torch.tensor([[0], [0]]), torch.tensor([[0], [0]]))
+    pool.write(0, key * 2, key, torch.tensor([[0], [0]]))
     assert pool.k[0] is not before and (before == 0).all()  # earlier readers keep their tensor
     pool.k[0].sum().backward()
     assert torch.equal(key.grad, torch.full_like(key, 2.0))
+    pool.write_positions(torch.tensor([[3], [4]]), torch.tensor([[30], [40]]))
     pool.select_rows(torch.tensor([1]))
     assert all(t.shape[0] == 1 for t in (*pool.k, *pool.v, *pool.pos, *pool.win, *pool.summ))
+    assert pool.pos[1][0, :, 4].tolist() == [40, 40] and pool.pos[1].data_ptr() != pool.pos[0].data_ptr()
+    pool.write_positions(torch.tensor([[5]]), torch.tensor([[50]]))  # the views follow the selected rows
+    assert pool.pos[0][0, :, 5].tolist() == [50, 50] and pool.pos[1][0, :, 5].tolist() == [50, 50]
 
 
 def test_capacity_is_bounded_by_budget_plus_buffer_plus_chunk():

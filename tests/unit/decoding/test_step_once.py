@@ -166,7 +166,7 @@ def test_running_page_sums_are_the_page_sums_of_the_pool():
         i = torch.arange(q_len)
         slots = torch.where(i < real[:, None], count[:, None] + i, pool.scratch)
         key = torch.randn(2, 2, q_len, 3, generator=g).to(torch.bfloat16)
-        pool.write(0, key, key, slots, slots, slots // pool.page_size)
+        pool.write(0, key, key, slots, slots // pool.page_size)
         count += real
     for b in range(2):
         n = int(count[b]) // 4  # complete pages
