@@ -26,12 +26,13 @@ from .policies import (
     KVPolicy,
     SelectionPlan,
     compress,
+    keep_counts,
     pages_to_mask,
     select_pages,
 )
 from .pool import KVPool
 
-__all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active_cache", "forced_keep"]
+__all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active_cache", "forced_keep", "gather_mask"]
 
 ATTN_NAME = "sparsecorr"
 _ACTIVE: contextvars.ContextVar[SparseKVCache | None] = contextvars.ContextVar("sparsecorr_cache", default=None)
@@ -63,6 +64,8 @@ class Step:
     paged: bool = False  # single-token step through the backend's page tables
     plan: SelectionPlan | None = None  # the selection's per-step part (once per step, not per layer)
     win_slots: torch.Tensor | None = None  # [B, Q] ring columns of the queries (eviction policies)
+    bias: list | None = None  # [(mask, its additive bias)] of a single-token step (made by the first layer)
+    gather: tuple | None = None  # the selection's gather offsets and mask (made by the first sparse layer)
 
 
 class SparseKVCache(CacheBase):
@@ -94,7 +97,24 @@ class SparseKVCache(CacheBase):
             return self._attend_selected(layer, query, key, value, scaling)
         if st.paged:
             return self.backend.decode(query, pool.k[layer], pool.v[layer])
-        return self.backend.attend(query, key, value, st.mask, scaling=scaling)
+        return self.backend.attend(query, key, value, self._step_mask(st.mask, query.dtype), scaling=scaling)
+
+    def _step_mask(self, mask, dtype: torch.dtype):
+        """A single-token step's bool mask as the additive bias (0 / -inf in ``dtype``) that a
+        backend declaring ``additive_mask = True`` takes, so SDPA converts nothing per layer: made
+        by the first layer that asks and shared by the step's other layers (``Step.bias``, keyed by
+        the mask object: the step's mask and the selection's gather mask are two)."""
+        st = self.step
+        if (st.q_len != 1 or not getattr(self.backend, "additive_mask", False)
+                or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+            return mask
+        st.bias = st.bias or []
+        for m, bias in st.bias:
+            if m is mask:
+                return bias
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+        st.bias.append((mask, bias))
+        return bias
 
     def _attend_selected(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
         st, pool = self.step, self.pool
@@ -108,14 +128,19 @@ class SparseKVCache(CacheBase):
             return self.backend.attend(query, key, value, sel & st.mask, scaling=scaling)
         # one token: gather the selected pages (O(budget) attention instead of O(S))
         b, h = pages.shape[:2]
-        slot = (pages[:, :, 0, :, None] * ps + torch.arange(ps, device=pages.device)).reshape(b, h, -1)
-        allowed = ok[:, :, 0, :, None].expand(-1, -1, -1, ps).reshape(b, h, -1)
-        allowed = allowed & (slot <= st.query_slots[:, :1, None])
+        if st.gather is None:  # the step's part: the same for every sparse layer
+            keep = st.plan.keep if st.plan is not None else \
+                keep_counts(self.policy, slots=st.query_slots, budgets=st.budgets)
+            offsets = torch.arange(ps, device=pages.device)
+            allowed = gather_mask(keep[:, :1], st.query_slots[:, :1], k=pages.shape[-1], page_size=ps)
+            st.gather = (offsets, allowed, allowed[:, :, None, :])
+        offsets, allowed, mask = st.gather
+        slot = torch.add(offsets, pages[:, :, 0, :, None], alpha=ps).reshape(b, h, -1)
         slot = torch.where(allowed, slot, 0)
         d = pool.k[layer].shape[-1]
         idx = slot[..., None].expand(-1, -1, -1, d)
         k_sel, v_sel = pool.k[layer].gather(2, idx), pool.v[layer].gather(2, idx)
-        return self.backend.attend(query, k_sel, v_sel, allowed[:, :, None, :], scaling=scaling)
+        return self.backend.attend(query, k_sel, v_sel, self._step_mask(mask, query.dtype), scaling=scaling)
 
     def compress(self, budgets: torch.Tensor, counts: torch.Tensor, query_valid: torch.Tensor | None, *,
                  forced: torch.Tensor | None = None, due: torch.Tensor | None = None,
@@ -154,6 +179,22 @@ class SparseKVCache(CacheBase):
                 kept.append(torch.where(keep.valid, positions.gather(-1, keep.index), -1))
             pool.compact(i, keep.index)
         return torch.stack(kept, 1) if record else None
+
+
+def gather_mask(keep: torch.Tensor, query_slot: torch.Tensor, *, k: int, page_size: int) -> torch.Tensor:
+    r"""Which of a single-token step's ``k · page_size`` gathered slots the query reads, the same
+    in every sparse layer: entry \(i\) of a row's ascending page list holds a kept page while
+    \(i < \mathrm{keep}\), and the last kept page is the query's own (always kept, and the latest),
+    so slot \(j\) of entry \(i\) is read iff \(i < \mathrm{keep} - 1\), or \(i = \mathrm{keep} - 1\)
+    and \(j \le s \bmod p\) (the query's slot \(s\)).
+
+    Shapes:
+        keep, query_slot ``[B, 1]`` -> ``[B, 1, k · page_size]`` bool.
+    """
+    n = torch.arange(k * page_size, device=keep.device)
+    entry, j = n // page_size, n % page_size
+    last = keep - 1
+    return ((entry < last) | ((entry == last) & (j <= query_slot % page_size)))[:, None, :]
 
 
 def forced_keep(positions: torch.Tensor, valid: torch.Tensor, want: torch.Tensor, due: torch.Tensor, *,

@@ -109,6 +109,7 @@ def _graph_forward(model, cache, step: Step, ids: torch.Tensor) -> torch.Tensor:
     the static device counts. Closes over no engine (see the module's *Ownership*)."""
     cap = cache.pool.capacity
     step.mask = (torch.arange(cap, device=ids.device) <= step.counts[:, None])[:, None, None, :]
+    step.bias = step.gather = None  # made again by this forward's first layers
     if step.select:  # the selection's per-step part, once per step inside the graph
         step.plan = selection_plan(cache.policy, slots=step.query_slots, budgets=step.budgets, k=step.keep_max,
                                    n_pages=cache.pool.pages_per_row)

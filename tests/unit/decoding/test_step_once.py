@@ -172,3 +172,27 @@ def test_running_page_sums_are_the_page_sums_of_the_pool():
         n = int(count[b]) // 4  # complete pages
         want = pool.k[0][b, :, :n * 4].float().reshape(2, n, 4, 3).sum(2)
         torch.testing.assert_close(pool.summ[0][b, :, :n], want, atol=1e-6, rtol=1e-6)
+
+
+def test_gather_mask_once_per_step_equals_the_per_layer_mask():
+    """The single-token gather path's slot mask, built once per step from the keep counts
+    (`gather_mask`), equals the mask each layer built from its own page list before."""
+    from sparsecorr.decoding.cache import gather_mask
+    from sparsecorr.decoding.policies import select_pages
+
+    g = torch.Generator().manual_seed(3)
+    ps, n_pages, b, h = 4, 9, 5, 2
+    policy = BlockTopK(page_size=ps, keep_first_pages=1, keep_last_pages=2)
+    for _ in range(20):
+        slots = torch.randint(0, (n_pages - 1) * ps, (b, 1), generator=g)
+        budgets = torch.randint(-1, 5 * ps, (b, 1), generator=g)
+        query = torch.randn(b, h * 2, 1, 8, generator=g)
+        summ = torch.randn(b, h, n_pages, 8, generator=g)
+        pages, ok = select_pages(policy, summaries=summ, query=query, slots=slots, budgets=budgets, k=n_pages)
+        slot = (pages[:, :, 0, :, None] * ps + torch.arange(ps)).reshape(b, h, -1)
+        want = ok[:, :, 0, :, None].expand(-1, -1, -1, ps).reshape(b, h, -1) & (slot <= slots[:, :1, None])
+        from sparsecorr.decoding.policies import keep_counts
+
+        keep = keep_counts(policy, slots=slots, budgets=budgets)
+        got = gather_mask(keep, slots, k=pages.shape[-1], page_size=ps)
+        assert torch.equal(got.expand(b, h, -1), want)
