@@ -13,8 +13,7 @@ so this benchmark counts, on the CPU, the kernel-launching aten ops one step dis
   no compression happens). The per-layer part is ``(count(4 layers) - count(2 layers)) / 2``;
   the rest is the once-per-step part. Rows of equal length (no mask in a step) and ragged rows
   (a mask in every step: the torch backend's masked single-token attention) are both counted
-  (``--smoke``: equal rows only). A "projection" row runs BlockTopK with its per-step
-  selection plan built once per step (the engine change of the next phase, simulated here).
+  (``--smoke``: equal rows only).
 - **one compression event of one layer** (``policies.compress``: scoring and the kept set) at a
   realistic shape (B=8, H_kv=8, H_q=16, S=2177, D=128, W=8, bf16 keys; ``--smoke``: a small one):
   ops and bytes moved (the sum over ops of input + output tensor bytes, each tensor counted at
@@ -148,45 +147,10 @@ def _count_generate(model, ids, mask, policy, budget: int, steps: int) -> Kernel
 _WARM: set[int] = set()
 
 
-class plan_once:  # a context manager used like a function
-    """Projection of the engine change of the next phase: the cache's ``select_pages`` gets the
-    step's ``SelectionPlan`` built once per step (here: by a wrapper keyed on the step's
-    ``query_slots`` tensor, which every layer of a step shares) instead of once per layer. Needs
-    ``policies.block_topk.selection_plan`` (absent before issue 36: then ``available`` is False)."""
-
-    def __init__(self) -> None:
-        try:
-            from sparsecorr.decoding.policies.block_topk import selection_plan
-        except ImportError:
-            selection_plan = None
-        self.selection_plan = selection_plan
-        self.available = selection_plan is not None
-
-    def __enter__(self):
-        import sparsecorr.decoding.cache as cache_mod
-
-        self.mod, self.orig, memo = cache_mod, cache_mod.select_pages, {}
-
-        def select(policy, *, summaries, query, slots, budgets, k):
-            if memo.get("slots") is not slots:  # a new step (the old tensor is kept alive: no id reuse)
-                memo.update(slots=slots, plan=self.selection_plan(policy, slots=slots, budgets=budgets, k=k,
-                                                                  n_pages=summaries.shape[2]))
-            return self.orig(policy, summaries=summaries, query=query, plan=memo["plan"])
-
-        cache_mod.select_pages = select
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.mod.select_pages = self.orig
-
-
-def step_counts(policy, *, layers: int, smoke: bool, plan: bool = False, ragged: bool = False) -> dict[str, Counter]:
-    """Ops of one eager decode step by owner (and by frame) for a ``layers``-deep model (``plan``:
-    with the selection plan built once per step, see `plan_once`; ``ragged``: the two rows'
-    prompts differ by one token, so every step carries an attention mask)."""
-    if plan:
-        with plan_once():
-            return step_counts(policy, layers=layers, smoke=smoke, ragged=ragged)
+def step_counts(policy, *, layers: int, smoke: bool, ragged: bool = False) -> dict[str, Counter]:
+    """Ops of one eager decode step by owner (and by frame) for a ``layers``-deep model
+    (``ragged``: the two rows' prompts differ by one token, so every step carries an attention
+    mask)."""
     model = _model(layers, smoke)
     prompt = 2 if smoke else 32
     ids = torch.randint(3, 128, (2, prompt), generator=torch.Generator().manual_seed(0))
@@ -204,20 +168,18 @@ def step_counts(policy, *, layers: int, smoke: bool, plan: bool = False, ragged:
 
 
 def step_table(smoke: bool) -> list[dict]:
-    cases = [(name, pol, False, False) for name, pol in step_policies(smoke)]
+    cases = [(name, pol, False) for name, pol in step_policies(smoke)]
     if not smoke:  # rows of different lengths: a mask in every step
-        cases += [(name, pol, False, True) for name, pol in step_policies(smoke)]
-    if plan_once().available and not smoke:
-        cases.append(("BlockTopK", step_policies(smoke)[-1][1], True, False))
+        cases += [(name, pol, True) for name, pol in step_policies(smoke)]
     rows = []
-    for name, pol, plan, ragged in cases:
-        c2, c4 = (step_counts(pol, layers=n, smoke=smoke, plan=plan, ragged=ragged) for n in (2, 4))
+    for name, pol, ragged in cases:
+        c2, c4 = (step_counts(pol, layers=n, smoke=smoke, ragged=ragged) for n in (2, 4))
         per = {k: (c4["owner"][k] - c2["owner"][k]) / 2 for k in ("hf", "ours", "other")}
         once = {k: c2["owner"][k] - 2 * per[k] for k in ("hf", "ours", "other")}
         layer_where = {f"{k[0]} {k[1]}": (c4["where"][k] - c2["where"][k]) / 2 for k in c4["where"] | c2["where"]
                        if c4["where"][k] != c2["where"][k]}
-        label = name + (", ragged rows" if ragged else "") + (" (plan once per step: projection)" if plan else "")
-        rows.append({"policy": label, "name": name, "ragged": ragged, "projection": plan, "per_layer": per,
+        label = name + (", ragged rows" if ragged else "")
+        rows.append({"policy": label, "name": name, "ragged": ragged, "per_layer": per,
                      "once_per_step": once, "per_layer_where": layer_where, "target_ours": TARGET_STEP[name]})
     return rows
 

@@ -21,10 +21,18 @@ import torch
 
 from .backends import AttentionBackend
 from .hf import CacheBase, register_attention
-from .policies import KeepSet, KVPolicy, compress, page_means, pages_to_mask, select_pages
+from .policies import (
+    KeepSet,
+    KVPolicy,
+    SelectionPlan,
+    compress,
+    keep_counts,
+    pages_to_mask,
+    select_pages,
+)
 from .pool import KVPool
 
-__all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active_cache", "forced_keep"]
+__all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active_cache", "forced_keep", "gather_mask"]
 
 ATTN_NAME = "sparsecorr"
 _ACTIVE: contextvars.ContextVar[SparseKVCache | None] = contextvars.ContextVar("sparsecorr_cache", default=None)
@@ -37,7 +45,8 @@ class Step:
     Shapes:
         slots, positions ``[B, Q]`` (device): write slot and true position of each token (padding
         goes to the scratch page); real ``[B]`` (device): real tokens per row; mask
-        ``[B, 1, Q, kv_len]`` or None; query_slots, budgets ``[B, Q]`` (selection only).
+        ``[B, 1, Q, kv_len]`` or None; query_slots, budgets ``[B, Q]`` (selection only); plan: the
+        step's BlockTopK `SelectionPlan` (built once per step, shared by every sparse layer).
     """
 
     q_len: int
@@ -47,12 +56,16 @@ class Step:
     real: torch.Tensor
     mask: torch.Tensor | None
     counts: torch.Tensor  # [B] device, valid slots before this forward
-    refresh: tuple[int, int] | None = None  # page summaries to rewrite after the write
+    pages: torch.Tensor | None = None  # [B, Q] page of each write slot (selection: the running page sums)
     select: bool = False  # selection policy in force (decode phase)
     query_slots: torch.Tensor | None = None
     budgets: torch.Tensor | None = None
     keep_max: int = 0
     paged: bool = False  # single-token step through the backend's page tables
+    plan: SelectionPlan | None = None  # the selection's per-step part (once per step, not per layer)
+    win_slots: torch.Tensor | None = None  # [B, Q] ring columns of the queries (eviction policies)
+    bias: list | None = None  # [(mask, its additive bias)] of a single-token step (made by the first layer)
+    gather: tuple | None = None  # the selection's gather offsets and mask (made by the first sparse layer)
 
 
 class SparseKVCache(CacheBase):
@@ -66,7 +79,9 @@ class SparseKVCache(CacheBase):
     # -- the cache protocol of hf.CacheBase ---------------------------------------------------
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         st = self.step
-        self.pool.write(layer_idx, key, value, st.slots, st.positions)
+        if layer_idx == 0 and self.pool.pos is not None:  # every layer's positions, once per step
+            self.pool.write_positions(st.slots, st.positions)
+        self.pool.write(layer_idx, key, value, st.slots, st.pages)
         return self.pool.k[layer_idx][:, :, :st.kv_len], self.pool.v[layer_idx][:, :, :st.kv_len]
 
     def seq_length(self) -> int:
@@ -76,37 +91,36 @@ class SparseKVCache(CacheBase):
     def attend(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
         st, pool = self.step, self.pool
         if pool.win is not None:
-            pool.push_queries(layer, query, st.real)
+            pool.push_queries(layer, query, st.win_slots)
         sparse_layer = self.policy.kind == "selection" and layer >= self.policy.dense_layers
-        if sparse_layer:
-            self._refresh_summaries(layer)
         if sparse_layer and st.select:
             return self._attend_selected(layer, query, key, value, scaling)
         if st.paged:
             return self.backend.decode(query, pool.k[layer], pool.v[layer])
-        return self.backend.attend(query, key, value, st.mask, scaling=scaling)
+        return self.backend.attend(query, key, value, self._step_mask(st.mask, query.dtype), scaling=scaling)
 
-    def _refresh_summaries(self, layer: int) -> None:
-        """Rewrite the mean key of pages completed by this forward (after the write)."""
-        st, pool = self.step, self.pool
-        ps, summ, keys = pool.page_size, pool.summ[layer], pool.k[layer].detach()
-        if st.refresh is not None:  # a chunk: every page it may have completed
-            p0, p1 = st.refresh
-            summ[:, :, p0:p1] = page_means(keys[:, :, p0 * ps:p1 * ps], page_size=ps)
-            return
-        # one token per row: the row's most recently completed page
-        b, h, _, d = keys.shape
-        page = ((st.counts + 1) // ps - 1).clamp(min=0)  # [B]
-        idx = page[:, None] * ps + torch.arange(ps, device=keys.device)
-        block = keys.gather(2, idx[:, None, :, None].expand(b, h, ps, d))
-        mean = page_means(block, page_size=ps)  # [B, H, 1, D]
-        summ.scatter_(2, page[:, None, None, None].expand(b, h, 1, d), mean)
+    def _step_mask(self, mask, dtype: torch.dtype):
+        """A single-token step's bool mask as the additive bias (0 / -inf in ``dtype``) that a
+        backend declaring ``additive_mask = True`` takes, so SDPA converts nothing per layer: made
+        by the first layer that asks and shared by the step's other layers (``Step.bias``, keyed by
+        the mask object: the step's mask and the selection's gather mask are two)."""
+        st = self.step
+        if (st.q_len != 1 or not getattr(self.backend, "additive_mask", False)
+                or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+            return mask
+        st.bias = st.bias or []
+        for m, bias in st.bias:
+            if m is mask:
+                return bias
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+        st.bias.append((mask, bias))
+        return bias
 
     def _attend_selected(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
         st, pool = self.step, self.pool
         ps = pool.page_size
         pages, ok = select_pages(self.policy, summaries=pool.summ[layer], query=query,
-                                 slots=st.query_slots, budgets=st.budgets, k=st.keep_max)
+                                 slots=st.query_slots, budgets=st.budgets, k=st.keep_max, plan=st.plan)
         if st.paged:
             return self.backend.decode(query, pool.k[layer], pool.v[layer], selected=(pages[:, :, 0], ok[:, :, 0]))
         if st.q_len > 1:  # a teacher-forced chunk: one page mask per query
@@ -114,23 +128,31 @@ class SparseKVCache(CacheBase):
             return self.backend.attend(query, key, value, sel & st.mask, scaling=scaling)
         # one token: gather the selected pages (O(budget) attention instead of O(S))
         b, h = pages.shape[:2]
-        slot = (pages[:, :, 0, :, None] * ps + torch.arange(ps, device=pages.device)).reshape(b, h, -1)
-        allowed = ok[:, :, 0, :, None].expand(-1, -1, -1, ps).reshape(b, h, -1)
-        allowed = allowed & (slot <= st.query_slots[:, :1, None])
+        if st.gather is None:  # the step's part: the same for every sparse layer
+            keep = st.plan.keep if st.plan is not None else \
+                keep_counts(self.policy, slots=st.query_slots, budgets=st.budgets)
+            offsets = torch.arange(ps, device=pages.device)
+            allowed = gather_mask(keep[:, :1], st.query_slots[:, :1], k=pages.shape[-1], page_size=ps)
+            st.gather = (offsets, allowed, allowed[:, :, None, :])
+        offsets, allowed, mask = st.gather
+        slot = torch.add(offsets, pages[:, :, 0, :, None], alpha=ps).reshape(b, h, -1)
         slot = torch.where(allowed, slot, 0)
         d = pool.k[layer].shape[-1]
         idx = slot[..., None].expand(-1, -1, -1, d)
         k_sel, v_sel = pool.k[layer].gather(2, idx), pool.v[layer].gather(2, idx)
-        return self.backend.attend(query, k_sel, v_sel, allowed[:, :, None, :], scaling=scaling)
+        return self.backend.attend(query, k_sel, v_sel, self._step_mask(mask, query.dtype), scaling=scaling)
 
     def compress(self, budgets: torch.Tensor, counts: torch.Tensor, query_valid: torch.Tensor | None, *,
                  forced: torch.Tensor | None = None, due: torch.Tensor | None = None,
-                 record: bool = False) -> torch.Tensor | None:
+                 record: bool = False, order: torch.Tensor | None = None) -> torch.Tensor | None:
         """Evict every layer down to ``budgets`` (host ``[B]``; a row's own count = keep all).
 
         ``forced`` replaces the policy's choice on the ``due`` rows by given kept positions (a
         replay of recorded kept sets); with ``record`` the kept true positions of every layer
-        are returned (-1 padded).
+        are returned (-1 padded). ``order`` (``[B, W]`` device, `sparsecorr.decoding.pool.ring_order`)
+        puts each layer's observation ring in time order (one gather per layer, only here; without
+        it the ring's columns are read as stored: the votes do not depend on the window's order,
+        but their float sums may round differently).
 
         Shapes:
             budgets, counts ``[B]`` CPU long (valid slots per row before); query_valid ``[B, W]``;
@@ -147,7 +169,8 @@ class SparseKVCache(CacheBase):
         for i in range(self.num_layers):
             keys, positions = pool.k[i][:, :, :s].detach(), pool.pos[i][:, :, :s]
             if forced is None:
-                q = pool.win[i] if pool.win is not None else keys.new_zeros(b, keys.shape[1], 0, keys.shape[-1])
+                q = keys.new_zeros(b, keys.shape[1], 0, keys.shape[-1]) if pool.win is None else \
+                    pool.win[i][:, :, :pool.window] if order is None else pool.window_in_order(i, order)
                 keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=positions,
                                 budget=budgets, query_valid=query_valid, max_budget=top)
             else:
@@ -156,6 +179,22 @@ class SparseKVCache(CacheBase):
                 kept.append(torch.where(keep.valid, positions.gather(-1, keep.index), -1))
             pool.compact(i, keep.index)
         return torch.stack(kept, 1) if record else None
+
+
+def gather_mask(keep: torch.Tensor, query_slot: torch.Tensor, *, k: int, page_size: int) -> torch.Tensor:
+    r"""Which of a single-token step's ``k · page_size`` gathered slots the query reads, the same
+    in every sparse layer: entry \(i\) of a row's ascending page list holds a kept page while
+    \(i < \mathrm{keep}\), and the last kept page is the query's own (always kept, and the latest),
+    so slot \(j\) of entry \(i\) is read iff \(i < \mathrm{keep} - 1\), or \(i = \mathrm{keep} - 1\)
+    and \(j \le s \bmod p\) (the query's slot \(s\)).
+
+    Shapes:
+        keep, query_slot ``[B, 1]`` -> ``[B, 1, k · page_size]`` bool.
+    """
+    n = torch.arange(k * page_size, device=keep.device)
+    entry, j = n // page_size, n % page_size
+    last = keep - 1
+    return ((entry < last) | ((entry == last) & (j <= query_slot % page_size)))[:, None, :]
 
 
 def forced_keep(positions: torch.Tensor, valid: torch.Tensor, want: torch.Tensor, due: torch.Tensor, *,

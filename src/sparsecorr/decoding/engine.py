@@ -26,8 +26,8 @@ from torch.nn.attention.bias import causal_lower_right
 from .backends import AttentionBackend
 from .cache import SparseKVCache, Step
 from .hf import forward, model_spec
-from .policies import KVPolicy, keep_counts
-from .pool import KVPool
+from .policies import KVPolicy, keep_counts, selection_plan
+from .pool import KVPool, ring_order, ring_slots
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -134,28 +134,34 @@ class Engine:
             torch.arange(kv_len, device=dev) <= (counts[:, None] + torch.arange(q_len, device=dev))[:, :, None])[:, None]
         st = Step(q_len=q_len, kv_len=kv_len, slots=self._dev(slots), positions=self._dev(self.ctx[:, None] + i),
                   real=self._dev(real), mask=mask, counts=counts)
+        if self.pool.win is not None:  # the queries' ring columns, once per step (not per layer)
+            st.win_slots = self._dev(ring_slots(self.ctx, real, q_len, self.pool.window))
         if self.policy.kind == "selection":
             ps = self.pool.page_size
-            single = q_len == 1 and decode
-            st.refresh = None if single else (int(self.count.min()) // ps, kv_len // ps)
+            st.pages = self._dev(slots // ps)  # the running page sums' index, once per step
             if decode:
                 qslots = self.count[:, None] + i
                 budgets = self.budget_at(self.ctx[:, None] + i + 1)
                 keep = keep_counts(self.policy, slots=qslots, budgets=budgets)
                 st.select, st.keep_max = True, int(keep.max())
                 st.query_slots, st.budgets = self._dev(qslots), self._dev(budgets)
+                st.plan = selection_plan(self.policy, slots=st.query_slots, budgets=st.budgets, k=st.keep_max,
+                                         n_pages=self.pool.pages_per_row, keep=self._dev(keep))
         # a paged kernel has no backward: a grad-enabled forward stays on the autograd path
         st.paged = (bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
                     and not torch.is_grad_enabled())
         return st
 
-    def _begin_paged_step(self) -> None:
-        """Plan a paged single-token step (one plan per step, shared by every layer)."""
+    def _begin_paged_step(self, *, k: int | None = None) -> None:
+        """Plan a paged single-token step (one plan per step, shared by every layer). ``k``: the
+        pages each sparse layer's selection lists per row (a captured step's static ``keep_cap``;
+        default this step's largest keep count)."""
         keep = None
         if self.policy.kind == "selection":
             keep = keep_counts(self.policy, slots=self.count, budgets=self.budget_at(self.ctx + 1))
+            k = min(int(keep.max()) if k is None else k, self.pool.pages_per_row)
         self.cache.backend.begin_step(
-            lengths=self.count + 1, keep=keep, heads=self.heads_kv, group=self.heads_q // self.heads_kv,
+            lengths=self.count + 1, keep=keep, k=k, heads=self.heads_kv, group=self.heads_q // self.heads_kv,
             head_dim=self.head_dim, pages_per_row=self.pool.pages_per_row, page_size=self.pool.page_size,
             dtype=self.dtype, scale=self.spec.scaling, device=self.device)
 
@@ -191,13 +197,14 @@ class Engine:
         if not bool(due.any()):
             return
         eff = torch.where(due, budget, self.count)
-        w = self.pool.win[0].shape[2] if self.pool.win is not None else 0
+        w = self.pool.window if self.pool.win is not None else 0
         qv = None
         if w and bool((self.ctx < w).any()):  # a row that has not seen a full window yet
             qv = (torch.arange(w) >= w - self.ctx.clamp(max=w)[:, None]).to(self.device)
         forced = None if self.forced_keep is None else self._forced(due)
+        order = self._dev(ring_order(self.ctx, w)) if w and forced is None else None
         kept = self.cache.compress(eff, self.count, qv, forced=forced, due=self._dev(due),
-                                   record=self.kept_events is not None)
+                                   record=self.kept_events is not None, order=order)
         if kept is not None:  # the due rows' kept positions, keyed by (caller's row, context)
             self.kept_events.append((self.rows[due], self.ctx[due], kept[self._dev(due.nonzero().squeeze(1))]))
         self.count = torch.minimum(self.count, eff)

@@ -11,8 +11,9 @@ in static device buffers refreshed before each replay; compression, sampling, Fl
 that finish stay as masked dummies until the live rows fit the next smaller power of two
 (`sparsecorr.decoding.loops.rows_to_keep`), then the batch shrinks and the next step captures.
 
-Capture runs one eager warm-up step on a side stream first (it writes the step's own K/V, which
-the replay rewrites, and shifts the observation windows, which are restored). If capture fails,
+Capture runs one eager warm-up step on a side stream first (it writes the step's own K/V and
+its queries' observation-ring column, which the replay rewrites; the rings and the running page
+sums are restored). If capture fails,
 the engine warns once and stays eager; ``RolloutBatch.meta["cuda_graph"]`` says which happened.
 
 **Ownership.** The warm-up and the capture run on one stream per device (`capture_stream`),
@@ -36,6 +37,7 @@ import torch
 
 from .cache import Step
 from .hf import forward
+from .policies import selection_plan
 
 __all__ = ["CudaGraphRunner", "DecodeGraphs", "EagerRunner", "capture_stream", "check_graph_device"]
 
@@ -61,17 +63,18 @@ def check_graph_device(device: torch.device) -> None:
 
 class CudaGraphRunner:
     """Warm up ``fn`` on the device's capture stream, capture it there, replay it (the output
-    tensor is rewritten in place by every replay). The warm-up's side effects on the observation
-    windows are undone. ``fn`` is not kept."""
+    tensor is rewritten in place by every replay). The warm-up's side effects on ``restore`` (the
+    observation rings and the running page sums, which a replay would otherwise add to twice) are
+    undone. ``fn`` is not kept."""
 
-    def __init__(self, fn, *, pool, windows: list[torch.Tensor], device: torch.device) -> None:
-        saved = [w.clone() for w in windows]
+    def __init__(self, fn, *, pool, restore: list[torch.Tensor], device: torch.device) -> None:
+        saved = [w.clone() for w in restore]
         side = capture_stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()  # lazy initialisations (cuBLAS handles, FlashInfer modules) happen outside capture
         torch.cuda.current_stream().wait_stream(side)
-        for w, s in zip(windows, saved):
+        for w, s in zip(restore, saved):
             w.copy_(s)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, stream=side):
@@ -106,6 +109,10 @@ def _graph_forward(model, cache, step: Step, ids: torch.Tensor) -> torch.Tensor:
     the static device counts. Closes over no engine (see the module's *Ownership*)."""
     cap = cache.pool.capacity
     step.mask = (torch.arange(cap, device=ids.device) <= step.counts[:, None])[:, None, None, :]
+    step.bias = step.gather = None  # made again by this forward's first layers
+    if step.select:  # the selection's per-step part, once per step inside the graph
+        step.plan = selection_plan(cache.policy, slots=step.query_slots, budgets=step.budgets, k=step.keep_max,
+                                   n_pages=cache.pool.pages_per_row)
     cache.step = step
     return forward(model, input_ids=ids, position_ids=step.positions, cache=cache, logits_to_keep=1).logits[:, -1]
 
@@ -143,7 +150,9 @@ class DecodeGraphs:
                     real=torch.ones(b, dtype=torch.long, device=dev), mask=None, counts=z(b),
                     select=select, query_slots=z(b, 1) if select else None,
                     budgets=z(b, 1) if select else None, keep_max=e.keep_cap if select else 0,
-                    paged=bool(getattr(e.cache.backend, "paged", False)))
+                    paged=bool(getattr(e.cache.backend, "paged", False)),
+                    win_slots=z(b, 1) if e.pool.win is not None else None,
+                    pages=z(b, 1) if select else None)
 
     @staticmethod
     def _load(e, c: _Captured, ids: torch.Tensor) -> None:
@@ -153,7 +162,10 @@ class DecodeGraphs:
         st.counts.copy_(e.count, **nb)
         st.slots.copy_(e.count[:, None], **nb)
         st.positions.copy_(e.ctx[:, None], **nb)
+        if st.win_slots is not None:  # one real token per row: its position's ring column
+            st.win_slots.copy_(e.ctx[:, None] % e.pool.window, **nb)
         if st.select:
+            st.pages.copy_(e.count[:, None] // e.pool.page_size, **nb)
             st.query_slots.copy_(e.count[:, None], **nb)
             st.budgets.copy_(e.budget_at(e.ctx[:, None] + 1), **nb)
 
@@ -164,14 +176,15 @@ class DecodeGraphs:
             e.cache.backend.enable_graph(batch=b, heads=e.heads_kv, pages_per_row=e.pool.pages_per_row,
                                          keep_cap=e.keep_cap, group=e.heads_q // e.heads_kv,
                                          head_dim=e.head_dim, device=e.device)
-            e._begin_paged_step()
+            e._begin_paged_step(k=e.keep_cap)
         static_ids = torch.zeros_like(ids)
         c = _Captured(runner=None, step=st, ids=static_ids)
         self._load(e, c, ids)
         t0 = time.perf_counter()
         self.captured = {}  # a smaller batch never comes back: free the older graph first
         c.runner = self.runner(functools.partial(_graph_forward, e.model, e.cache, st, static_ids),
-                               pool=self.pool, windows=e.pool.win or [], device=e.device)
+                               pool=self.pool,
+                               restore=(e.pool.win or []) + (e.pool.summ or []), device=e.device)
         self.capture_s += time.perf_counter() - t0  # torch.cuda.graph syncs on entry
         self.captures += 1
         self.captured = {b: c}
@@ -193,5 +206,5 @@ class DecodeGraphs:
             return None
         self._load(engine, c, ids)
         if c.step.paged:
-            engine._begin_paged_step()  # plan outside the graph, into its fixed buffers
+            engine._begin_paged_step(k=engine.keep_cap)  # plan outside the graph, into its fixed buffers
         return SimpleNamespace(logits=c.runner.replay()[:, None].clone())

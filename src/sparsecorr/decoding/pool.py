@@ -10,9 +10,15 @@ write, no ``torch.cat``), and a compression event gathers the kept slots to the 
 kernel (`sparsecorr.decoding.backends.paged`).
 
 Eviction policies also keep each slot's true position (``[B, H_kv, C + page]``: after eviction
-the heads keep different tokens) and the last ``window`` queries of every layer (a copy, so no
-layer's prefill query tensor stays alive); selection policies keep the mean key of every
-complete page (the page summaries). With autograd on (``grad=True``) every update is out of
+the heads keep different tokens; one ``[L, B, H_kv, C + page]`` tensor, so a step writes every
+layer's positions with one scatter, `write_positions`) and the last ``window`` queries of every layer (a copy, so no
+layer's prefill query tensor stays alive) in a **ring**: the query at position \(p\) lives in
+column \(p \bmod W\), so a step writes each layer's queries with one scatter at indices built
+once per step (`ring_slots`; a dump column ``W`` takes padding and queries older than the
+window), and the window is put in order (oldest first, `ring_order`) only when a compression
+reads it. Selection policies keep the running float32 **sum** of the keys of every page (the
+page summaries): each write adds its keys to their pages (one ``scatter_add_`` per layer at page
+indices built once per step), so no summary is ever recomputed from the cache. With autograd on (``grad=True``) every update is out of
 place, so earlier attention calls keep the tensors they read.
 """
 
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KVPool"]
+__all__ = ["KVPool", "ring_order", "ring_slots"]
 
 
 class KVPool:
@@ -28,7 +34,9 @@ class KVPool:
 
     Shapes:
         k[i], v[i]: ``[B, H_kv, C + page, D]``; pos[i]: ``[B, H_kv, C + page]`` long;
-        win[i]: ``[B, H_q, W, D]`` (oldest first); summ[i]: ``[B, H_kv, C / page + 1, D]``.
+        win[i]: ``[B, H_q, W + 1, D]`` (a ring: position p in column p mod W, column W a dump);
+        summ[i]: ``[B, H_kv, C / page + 1, D]`` float32 (the sum of each page's keys; the
+        scratch page's entry collects padding and is never read).
     """
 
     def __init__(self, *, layers: int, batch: int, kv_heads: int, q_heads: int, head_dim: int,
@@ -43,12 +51,13 @@ class KVPool:
         shape = (batch, kv_heads, total, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.pos = [torch.zeros(shape[:3], dtype=torch.long, device=device) for _ in range(layers)] \
-            if positions else None
-        self.win = [torch.zeros(batch, q_heads, window, head_dim, dtype=dtype, device=device)
+        self.pos_all = torch.zeros(layers, *shape[:3], dtype=torch.long, device=device) if positions else None
+        self.pos = list(self.pos_all.unbind(0)) if positions else None  # per-layer views
+        self.window = window
+        self.win = [torch.zeros(batch, q_heads, window + 1, head_dim, dtype=dtype, device=device)
                     for _ in range(layers)] if window > 0 else None
-        self.summ = [torch.zeros(batch, kv_heads, self.pages_per_row, head_dim, dtype=dtype, device=device)
-                     for _ in range(layers)] if summaries else None
+        self.summ = [torch.zeros(batch, kv_heads, self.pages_per_row, head_dim, dtype=torch.float32,
+                                 device=device) for _ in range(layers)] if summaries else None
 
     def allocated_bytes(self) -> int:
         """Bytes of every buffer the pool holds (K, V, positions, windows, summaries)."""
@@ -61,11 +70,13 @@ class KVPool:
         return 2 * len(self.k) * k.shape[1] * k.shape[3] * k.element_size()
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor) -> None:
-        """Write a chunk's K/V (and positions) at per-row ``slots``.
+              pages: torch.Tensor | None = None) -> None:
+        """Write a chunk's K/V at per-row ``slots``; with page summaries, add the
+        keys to the running sums of their ``pages`` (``slots // page``, built once per step).
+        A slot must be written once (the sums are not recomputed; graph warm-ups restore them).
 
         Shapes:
-            key, value ``[B, H_kv, Q, D]``; slots, positions ``[B, Q]`` (device, long).
+            key, value ``[B, H_kv, Q, D]``; slots, pages ``[B, Q]`` (device, long).
         """
         b, h, q, d = key.shape
         idx = slots[:, None, :, None].expand(b, h, q, d)
@@ -75,20 +86,41 @@ class KVPool:
         else:
             self.k[layer].scatter_(2, idx, key)
             self.v[layer].scatter_(2, idx, value)
-        if self.pos is not None:
-            self.pos[layer].scatter_(2, idx[..., 0], positions[:, None, :].expand(b, h, q))
+        if self.summ is not None and pages is not None:
+            self.summ[layer].scatter_add_(2, pages[:, None, :, None].expand(b, h, q, d), key.detach().float())
 
-    def push_queries(self, layer: int, query: torch.Tensor, real: torch.Tensor) -> None:
-        """Shift each row's last ``real_b`` queries of the chunk into its observation window.
+    def write_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write a chunk's true positions at per-row ``slots`` in every layer at once (one scatter
+        per step; every layer writes a step's tokens at the same slots).
 
         Shapes:
-            query ``[B, H_q, Q, D]``; real ``[B]`` (device) real tokens of each row in the chunk.
+            slots, positions ``[B, Q]`` (device, long).
+        """
+        n, b, h, _ = self.pos_all.shape
+        shape = (n, b, h, slots.shape[1])
+        self.pos_all.scatter_(3, slots[None, :, None, :].expand(shape), positions[None, :, None, :].expand(shape))
+
+    def push_queries(self, layer: int, query: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write a chunk's queries into the observation ring at ``slots`` (from `ring_slots`,
+        built once per step): one scatter per layer, nothing shifted.
+
+        Shapes:
+            query ``[B, H_q, Q, D]``; slots ``[B, Q]`` (device long, in ``[0, W]``).
         """
         win = self.win[layer]
-        b, hq, w, d = win.shape
-        both = torch.cat([win, query.detach().to(win.dtype)], dim=2)  # [B, H_q, W + Q, D]
-        idx = real[:, None] + torch.arange(w, device=win.device)  # newest real query last
-        win.copy_(both.gather(2, idx[:, None, :, None].expand(b, hq, w, d)))
+        b, hq, _, d = win.shape
+        idx = slots[:, None, :, None].expand(b, hq, slots.shape[1], d)
+        win.scatter_(2, idx, query.detach().to(win.dtype))
+
+    def window_in_order(self, layer: int, order: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s observation window, oldest query first (``order`` from `ring_order`).
+
+        Shapes:
+            order ``[B, W]`` (device long) -> ``[B, H_q, W, D]``.
+        """
+        win = self.win[layer]
+        b, hq, _, d = win.shape
+        return win.gather(2, order[:, None, :, None].expand(b, hq, order.shape[1], d))
 
     def compact(self, layer: int, index: torch.Tensor) -> None:
         """Move the kept slots ``index`` (``[B, H_kv, K]``, sorted by position) to the front."""
@@ -106,6 +138,33 @@ class KVPool:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (device, long) in every buffer (one layer at a time, so
         the transient extra memory is one layer's buffer)."""
-        for group in (self.k, self.v, self.pos, self.win, self.summ):
+        for group in (self.k, self.v, self.win, self.summ):
             for i, t in enumerate(group or []):
                 group[i] = t.index_select(0, rows)
+        if self.pos_all is not None:
+            self.pos_all = self.pos_all.index_select(1, rows)
+            self.pos = list(self.pos_all.unbind(0))
+
+
+def ring_slots(ctx: torch.Tensor, real: torch.Tensor, q_len: int, window: int) -> torch.Tensor:
+    """Ring columns of a chunk's queries (host, once per step): token ``i`` of row ``b`` (position
+    ``ctx_b + i``) goes to ``(ctx_b + i) mod W`` if it is one of the row's last ``W`` real tokens
+    of the chunk, else to the dump column ``W`` (padding, or overwritten within the chunk).
+
+    Shapes:
+        ctx, real ``[B]`` (CPU long: tokens fed before the chunk, real tokens in it) -> ``[B, Q]``.
+    """
+    i = torch.arange(q_len)
+    keep = (i < real[:, None]) & (i >= real[:, None] - window)
+    return torch.where(keep, (ctx[:, None] + i) % window, window)
+
+
+def ring_order(ctx: torch.Tensor, window: int) -> torch.Tensor:
+    """Ring columns in time order (oldest first) after ``ctx_b`` tokens: column
+    ``(ctx_b + t) mod W`` holds the ``t``-th oldest of the last ``W`` positions
+    (``ctx_b - W + t``; an unseen one while ``ctx_b < W``).
+
+    Shapes:
+        ctx ``[B]`` (CPU long) -> ``[B, W]``.
+    """
+    return (ctx[:, None] + torch.arange(window)) % window

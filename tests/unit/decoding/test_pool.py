@@ -1,11 +1,12 @@
 """The preallocated KV pool: indexed writes (padding to the scratch page), compaction of kept
 slots, observation windows, row selection, out-of-place updates with autograd; capacity."""
 
+import pytest
 import torch
 
 from sparsecorr.decoding import RKV, BlockTopK, Dense, StreamingLLM
 from sparsecorr.decoding.engine import pool_capacity
-from sparsecorr.decoding.pool import KVPool
+from sparsecorr.decoding.pool import KVPool, ring_order, ring_slots
 
 
 def _pool(grad=False, window=2):
@@ -20,9 +21,10 @@ def test_layout_and_writes_at_per_row_slots():
     assert pool.k[0].shape == (2, 2, 16, 3) and pool.summ[0].shape == (2, 2, 4, 3)
     key = torch.arange(2 * 2 * 3 * 3, dtype=torch.float32).reshape(2, 2, 3, 3)
     slots = torch.tensor([[0, 1, 2], [5, 6, 12]])  # row 1: 2 real tokens, padding -> scratch
-    pool.write(0, key, -key, slots, torch.tensor([[0, 1, 2], [7, 8, 9]]))
+    pool.write(0, key, -key, slots)
+    pool.write_positions(slots, torch.tensor([[0, 1, 2], [7, 8, 9]]))  # every layer's, in one scatter
     assert torch.equal(pool.k[0][0, :, :3], key[0]) and torch.equal(pool.v[0][1, :, 5:7], -key[1, :, :2])
-    assert torch.equal(pool.pos[0][1, 0, 5:7], torch.tensor([7, 8]))
+    assert torch.equal(pool.pos[0][1, 0, 5:7], torch.tensor([7, 8])) and torch.equal(pool.pos[1], pool.pos[0])
     assert (pool.k[0][1, :, :5] == 0).all() and (pool.k[1] == 0).all()  # other slots / layers untouched
     assert pool.slot_bytes() == 2 * 2 * 2 * 3 * 4
 
@@ -37,26 +39,66 @@ def test_compact_moves_kept_slots_to_the_front():
     assert torch.equal(pool.pos[0][..., :3], index + 100)
 
 
+def _push(pool, q, ctx, real):
+    pool.push_queries(0, q, ring_slots(ctx, real, q.shape[2], pool.window))
+    return ctx + real
+
+
+def _in_order(pool, ctx):
+    return pool.window_in_order(0, ring_order(ctx, pool.window))
+
+
 def test_windows_keep_each_rows_last_real_queries():
     pool = _pool(window=3)
     q = torch.arange(4, dtype=torch.float32)[None, None, :, None].expand(2, 4, 4, 3) + 1
-    pool.push_queries(0, q, torch.tensor([4, 2]))  # row 1: 2 real queries then padding
-    assert pool.win[0][0, 0, :, 0].tolist() == [2.0, 3.0, 4.0]
-    assert pool.win[0][1, 0, :, 0].tolist() == [0.0, 1.0, 2.0]  # 0 = not seen yet
-    pool.push_queries(0, q[:, :, :1] + 10, torch.tensor([1, 1]))  # a decode step
-    assert pool.win[0][1, 0, :, 0].tolist() == [1.0, 2.0, 11.0]
+    ctx = _push(pool, q, torch.tensor([0, 0]), torch.tensor([4, 2]))  # row 1: 2 real queries then padding
+    assert _in_order(pool, ctx)[0, 0, :, 0].tolist() == [2.0, 3.0, 4.0]
+    assert _in_order(pool, ctx)[1, 0, :, 0].tolist() == [0.0, 1.0, 2.0]  # 0 = not seen yet
+    assert pool.win[0][0, 0, :3, 0].tolist() == [4.0, 2.0, 3.0]  # the ring: position p in column p mod 3
+    ctx = _push(pool, q[:, :, :1] + 10, ctx, torch.tensor([1, 1]))  # a decode step
+    assert _in_order(pool, ctx)[1, 0, :, 0].tolist() == [1.0, 2.0, 11.0]
+    assert _in_order(pool, ctx)[0, 0, :, 0].tolist() == [3.0, 4.0, 11.0]
+
+
+def _shift_window(win, query, real):
+    """The observation window before the ring (oldest first, shifted by cat + gather)."""
+    b, hq, w, d = win.shape
+    both = torch.cat([win, query], dim=2)
+    idx = real[:, None] + torch.arange(w)
+    return both.gather(2, idx[:, None, :, None].expand(b, hq, w, d))
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_ring_window_equals_the_shift_window(window):
+    """Ragged chunks of every length (shorter and longer than the window, padding, rows that
+    feed nothing) and single tokens: the ring read in order equals the shifted window."""
+    g = torch.Generator().manual_seed(window)
+    pool = _pool(window=window)
+    b, hq, d = 2, 4, 3
+    shift = torch.zeros(b, hq, window, d)
+    ctx = torch.zeros(b, dtype=torch.long)
+    for q_len in (5, 1, 1, 12, 2, 1, 3, 1):
+        q = torch.randn(b, hq, q_len, d, generator=g)
+        real = torch.randint(0, q_len + 1, (b,), generator=g)
+        shift = _shift_window(shift, q, real)
+        ctx = _push(pool, q, ctx, real)
+        assert torch.equal(_in_order(pool, ctx), shift)
 
 
 def test_select_rows_and_out_of_place_updates_with_grad():
     pool = _pool(grad=True)
     key = torch.ones(2, 2, 1, 3, requires_grad=True)
     before = pool.k[0]
-    pool.write(0, key * 2, key, torch.tensor([[0], [0]]), torch.tensor([[0], [0]]))
+    pool.write(0, key * 2, key, torch.tensor([[0], [0]]))
     assert pool.k[0] is not before and (before == 0).all()  # earlier readers keep their tensor
     pool.k[0].sum().backward()
     assert torch.equal(key.grad, torch.full_like(key, 2.0))
+    pool.write_positions(torch.tensor([[3], [4]]), torch.tensor([[30], [40]]))
     pool.select_rows(torch.tensor([1]))
     assert all(t.shape[0] == 1 for t in (*pool.k, *pool.v, *pool.pos, *pool.win, *pool.summ))
+    assert pool.pos[1][0, :, 4].tolist() == [40, 40] and pool.pos[1].data_ptr() != pool.pos[0].data_ptr()
+    pool.write_positions(torch.tensor([[5]]), torch.tensor([[50]]))  # the views follow the selected rows
+    assert pool.pos[0][0, :, 5].tolist() == [50, 50] and pool.pos[1][0, :, 5].tolist() == [50, 50]
 
 
 def test_capacity_is_bounded_by_budget_plus_buffer_plus_chunk():

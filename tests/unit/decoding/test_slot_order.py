@@ -23,9 +23,9 @@ def checked(monkeypatch):
     events = []
     original = SparseKVCache.compress
 
-    def compress(self, budgets, counts, query_valid, **kwargs):
+    def compress(self, budgets, counts, query_valid, **kw):
         _check(self.pool, counts, "before compression")
-        kept = original(self, budgets, counts, query_valid, **kwargs)
+        kept = original(self, budgets, counts, query_valid, **kw)
         _check(self.pool, torch.minimum(counts, budgets), "after compression")
         events.append(int(counts.max()))
         return kept

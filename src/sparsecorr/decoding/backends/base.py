@@ -26,7 +26,9 @@ class AttentionBackend(Protocol):
     ``allowed`` is ``None`` (every slot), a ``torch.nn.attention.bias.CausalBias`` (causal,
     aligned to the last slot: a chunk of full rows at one length) or a bool mask broadcastable
     to ``[B, H_kv, Q, S]`` (the engine passes ``[B, 1, Q, S]`` when every KV head reads the same
-    slots). A backend
+    slots); a backend that declares ``additive_mask = True`` (``torch``) may instead get a
+    single-token step's mask as a float bias in the query's dtype (0 allowed, ``-inf`` not), made
+    once per step and shared by every layer. A backend
     that also defines ``paged = True`` and the methods of
     [`PagedBackend`][sparsecorr.decoding.backends.paged.PagedBackend] reads single-token
     decode steps through page tables instead.

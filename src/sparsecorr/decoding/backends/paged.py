@@ -21,7 +21,14 @@ from typing import Protocol
 
 import torch
 
-from .paging import PageTable, dense_page_table, paged_attention_reference, scatter_selected_pages
+from .paging import (
+    PageTable,
+    SelectionOffsets,
+    dense_page_table,
+    paged_attention_reference,
+    scatter_selected_pages,
+    selection_offsets,
+)
 from .torch_ref import TorchBackend
 
 __all__ = ["DecodeKernel", "PagedBackend", "ReferenceDecodeKernel"]
@@ -100,6 +107,8 @@ class PagedBackend:
         self._sparse: DecodeKernel | None = None
         self._buffer: torch.Tensor | None = None
         self._indptr: torch.Tensor | None = None
+        self._offsets: SelectionOffsets | None = None  # the step's write positions
+        self._static_offsets: SelectionOffsets | None = None  # their fixed buffers (graph mode)
         self._graph = False
 
     def attend(self, query, key, value, allowed, *, scaling):
@@ -115,21 +124,29 @@ class PagedBackend:
         self._graph = True
         self._dense = self._factory(device=device, group_size=group, head_dim=head_dim, graph_buffers=(
             torch.zeros(r + 1, **i32), torch.zeros(r * pages_per_row, **i32), torch.zeros(r, **i32)))
-        self._sparse = self._indptr = self._buffer = None
+        self._sparse = self._indptr = self._buffer = self._offsets = self._static_offsets = None
         if keep_cap > 0:
             self._indptr, self._buffer = torch.zeros(r + 1, **i32), torch.zeros(r * keep_cap + 1, **i32)
+            i64 = dict(dtype=torch.long, device=device)
+            self._static_offsets = SelectionOffsets(pos=torch.zeros(r * keep_cap, **i64),
+                                                    base=torch.arange(r, **i64)[:, None] * pages_per_row)
             self._sparse = self._factory(device=device, group_size=group, head_dim=head_dim,
                                          graph_buffers=(self._indptr, self._buffer, torch.zeros(r, **i32)))
 
     def begin_step(self, *, lengths: torch.Tensor, keep: torch.Tensor | None, heads: int,
                    group: int, head_dim: int, pages_per_row: int, page_size: int,
-                   dtype: torch.dtype, scale: float, device: torch.device) -> None:
+                   dtype: torch.dtype, scale: float, device: torch.device, k: int = 0) -> None:
         """Plan one decode step (host work; no per-layer planning, no blocking copy: the kernel
         gets ``indptr`` / ``last_page_len`` on the host, the rest moves with non-blocking copies).
+        For a selection (``keep`` given) the CSR write positions of every sparse layer's ``k``
+        selected pages per row are built here too, once per step, on the host
+        ([`selection_offsets`][sparsecorr.decoding.backends.paging.selection_offsets]; in graph
+        mode into fixed buffers), and each layer's `decode` only scatters its page ids.
 
         Shapes:
             lengths: ``[B]`` CPU, slots each row attends after this step's write; keep: ``[B]``
-            CPU pages each sparse layer keeps per row (selection policies) or None.
+            CPU pages each sparse layer keeps per row (selection policies) or None; ``k``: entries
+            per row of each layer's selection (``>= keep.max()``; default ``keep.max()``).
         """
         if self._dense is None:
             self._dense = self._factory(device=device, group_size=group, head_dim=head_dim)
@@ -145,11 +162,19 @@ class PagedBackend:
         indptr = torch.zeros(counts.numel() + 1, dtype=torch.int32)
         indptr[1:] = counts.cumsum(0).to(torch.int32)
         nnz = int(indptr[-1])
+        k = k or int(keep.max())
         if self._graph:  # the fixed buffers: written here, not left to the kernel's plan
             self._indptr.copy_(indptr, non_blocking=True)
+            offsets = selection_offsets(indptr, k=k, pages_per_row=pages_per_row, dump=self._buffer.numel() - 1)
+            pos = self._static_offsets.pos[:offsets.pos.numel()]  # all of it at the captured k
+            pos.copy_(offsets.pos, non_blocking=True)
+            self._offsets = SelectionOffsets(pos=pos, base=self._static_offsets.base)
         else:
             self._buffer = torch.zeros(nnz + 1, dtype=torch.int32, device=device)
             self._indptr = indptr.to(device, non_blocking=True)
+            offsets = selection_offsets(indptr, k=k, pages_per_row=pages_per_row, dump=nnz)
+            self._offsets = SelectionOffsets(pos=offsets.pos.to(device, non_blocking=True),
+                                             base=offsets.base.to(device, non_blocking=True))
         self._sparse.plan(PageTable(indptr=indptr, indices=self._buffer[:nnz],
                                     last_page_len=table.last_page_len, page_size=page_size),
                           dtype=dtype, scale=scale)
@@ -167,7 +192,8 @@ class PagedBackend:
         h = k_pool.shape[1]
         kernel = self._dense
         if selected is not None:
-            scatter_selected_pages(self._buffer, self._indptr, *selected, pages_per_row=self._pages_per_row)
+            scatter_selected_pages(self._buffer, self._indptr, *selected, pages_per_row=self._pages_per_row,
+                                   offsets=self._offsets)
             kernel = self._sparse
         ps = k_pool.shape[2] // self._pages_per_row
         out = kernel.run(query.reshape(b * h, hq // h, d), k_pool.reshape(-1, ps, d),

@@ -23,6 +23,7 @@ class TorchBackend:
     """
 
     name = "torch"
+    additive_mask = True  # the engine may pass a step's mask as a float bias (0 / -inf): no per-layer conversion
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                allowed: torch.Tensor | None, *, scaling: float) -> torch.Tensor:

@@ -6,8 +6,9 @@ are scored by the dot product of their mean key with the mean current query over
 of the KV group; the first page and the last 2 pages are always kept; the first 2 layers stay
 dense.
 
-The engine keeps a running *page summary* (the mean key of every complete page, written once
-when the page fills) and scores pages from it, so a decode step reads ``S / page_size`` summaries
+The engine keeps a running *page summary* (the float32 sum of every page's keys, added to as
+each key is written; a complete page's sum is ``page_size`` times its mean key, so it ranks pages
+as the mean does) and scores pages from it, so a decode step reads ``S / page_size`` summaries
 instead of rescanning the ``S`` cached keys
 ([`select_pages`][sparsecorr.decoding.policies.block_topk.select_pages]). Because the page that
 holds the current token is always kept (``keep_last_pages >= 1``), every scored page is
@@ -168,7 +169,9 @@ def select_pages(policy: BlockTopK, *, summaries: torch.Tensor, query: torch.Ten
     `selection_plan`).
 
     Args:
-        summaries: mean key of every complete page (entries of incomplete pages are ignored).
+        summaries: mean key of every complete page, or any positive multiple of it such as the
+            engine's running page sums (the ranking is the same; entries of incomplete pages are
+            ignored). Float32 summaries are read as they are (the queries are upcast).
         query: the step's queries (post-RoPE).
         slots: slot of each query's token (not needed with ``plan``).
         budgets: budget in force for each query (-1 = dense; not needed with ``plan``).

@@ -65,7 +65,7 @@ def _redundancy_from(dots: torch.Tensor, n: torch.Tensor, w: torch.Tensor) -> to
     return torch.addcmul(w * dots, u, u, value=-1.0)
 
 
-def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
+def key_redundancy(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     r"""Mean cosine similarity of each valid key to the other valid keys: ``[B, H_kv, S]``.
 
     With unit keys \(\hat k_j = k_j / \max(\lVert k_j\rVert, \epsilon)\) (``F.normalize``'s
@@ -81,8 +81,7 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, *, chunk: int | None
     \(s = \sum_t w_t k_t\). So the keys are read three times (norms, \(s\), the dot products), in
     their own dtype with float32 accumulation, and no unit-key (or float32) copy of them is made;
     the S×S similarity matrix is never formed. A zero key has similarity 0 to everything; invalid
-    slots and rows with a single valid key score 0. ``chunk`` is accepted for compatibility and
-    ignored (nothing S×D-sized is allocated).
+    slots and rows with a single valid key score 0.
 
     Shapes:
         keys ``[B, H_kv, S, D]``; valid ``[B, H_kv, S]`` bool -> ``[B, H_kv, S]`` float32.
