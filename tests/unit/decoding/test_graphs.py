@@ -8,33 +8,17 @@ import torch
 from sparsecorr.decoding import RKV, BlockTopK, Dense, StreamingLLM
 from sparsecorr.decoding.backends import TorchBackend
 from sparsecorr.decoding.cache import ATTN_NAME, active_cache
-from sparsecorr.decoding.engine import Engine, pool_capacity
-from sparsecorr.decoding.graphs import DecodeGraphs, EagerRunner
+from sparsecorr.decoding.engine import Engine
+from sparsecorr.decoding.graphs import DecodeGraphs
 from sparsecorr.decoding.hf import sparse_attention
 from sparsecorr.decoding.loops import Sampling, decode_loop, prefill
 from sparsecorr.decoding.validate import budget_table
 from tests.models import tiny_model
+from tests.unit.decoding.drive import decode_steps
 
 
 def _decode(model, ids, policy, budget, *, graphs: bool, steps=20, eos=None):
-    lens = torch.full((ids.shape[0],), ids.shape[1])
-    table = budget_table(budget, dense=policy.kind == "dense", longest=ids.shape[1] + steps)
-    engine = Engine(model, policy=policy, backend=TorchBackend(), table=table, batch=ids.shape[0],
-                    capacity=pool_capacity(policy, table, longest=ids.shape[1] + steps, chunk=ids.shape[1]),
-                    grad=False)
-    if graphs:
-        engine.graphs = DecodeGraphs(runner=EagerRunner)
-    samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=3, generator=None)
-
-    class Bar:
-        def update(self, n):
-            pass
-
-    with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad():
-        logits = prefill(engine, ids, lens, ids.shape[1])
-        fields = decode_loop(engine, logits, prompt_len=lens, steps=steps, samp=samp, eos=eos, pruner=None,
-                             group_size=None, bar=Bar())
-    return fields, engine
+    return decode_steps(model, ids, policy, budget, graphs=graphs, steps=steps, eos=eos)
 
 
 @pytest.mark.parametrize("policy", [Dense(), StreamingLLM(sink=1, buffer=2), RKV(window=3, buffer=3),

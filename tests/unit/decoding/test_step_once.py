@@ -11,36 +11,17 @@ import torch
 
 from sparsecorr.decoding import RKV, BlockTopK, SnapKV
 from sparsecorr.decoding.backends import PagedBackend, ReferenceDecodeKernel, TorchBackend
-from sparsecorr.decoding.cache import ATTN_NAME, SparseKVCache, active_cache
-from sparsecorr.decoding.engine import Engine, pool_capacity
-from sparsecorr.decoding.graphs import DecodeGraphs, EagerRunner
-from sparsecorr.decoding.hf import sparse_attention
-from sparsecorr.decoding.loops import Sampling, decode_loop, prefill
+from sparsecorr.decoding.cache import SparseKVCache
 from sparsecorr.decoding.pool import KVPool
-from sparsecorr.decoding.validate import budget_table
 from tests.models import tiny_model
+from tests.unit.decoding.drive import decode_steps
 
 
 def _decode(model, ids, policy, budget, *, backend, graphs: bool, steps=12, events=None):
     lens = torch.full((ids.shape[0],), ids.shape[1])
     lens[0] -= 2  # ragged rows: a mask in every step
-    table = budget_table(budget, dense=policy.kind == "dense", longest=ids.shape[1] + steps)
-    engine = Engine(model, policy=policy, backend=backend, table=table, batch=ids.shape[0],
-                    capacity=pool_capacity(policy, table, longest=ids.shape[1] + steps, chunk=ids.shape[1]),
-                    grad=False)
-    if graphs:
-        engine.graphs = DecodeGraphs(runner=EagerRunner)
-    engine.kept_events = events
-    samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=3, generator=None)
-
-    class Bar:
-        def update(self, n):
-            pass
-
-    with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad():
-        logits = prefill(engine, ids, lens, ids.shape[1])
-        fields = decode_loop(engine, logits, prompt_len=lens, steps=steps, samp=samp, eos=None, pruner=None,
-                             group_size=None, bar=Bar())
+    fields, _ = decode_steps(model, ids, policy, budget, graphs=graphs, steps=steps, backend=backend, lens=lens,
+                             events=events)
     return fields
 
 
