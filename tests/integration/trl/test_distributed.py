@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ pytestmark = [pytest.mark.dist]
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = "tests/integration/trl/dist_worker.py"
+TIMEOUT_S = 240  # a run takes ~15 s alone, ~60 s on a loaded 2-core CI machine
 COMPARED = ("loss", "grad_norm", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
             "sparsecorr/correction/kept_token_frac")
 
@@ -33,9 +35,17 @@ def _launch(out: Path, loss_type: str, processes: int) -> tuple[list[dict], dict
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                str(processes), "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no", WORKER]
-    proc = subprocess.run([*cmd, str(out), loss_type, "8"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # its own session, so a timeout kills the launcher *and* its worker processes
+    proc = subprocess.Popen([*cmd, str(out), loss_type, "8"], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"{processes}-process run still alive after {TIMEOUT_S} s (one run takes "
+                    f"~15 s); stderr tail:\n{stderr[-4000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
     log = json.loads((out / "log.json").read_text())
     assert log["world"] == processes and (processes == 1 or log["backend"] == "gloo"), log
     return log["rows"], load_file(str(out / "params.safetensors"))
