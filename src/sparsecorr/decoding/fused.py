@@ -40,7 +40,7 @@ import warnings
 import torch
 
 from .cache import active
-from .hf import CacheBase, forward
+from .hf import CacheBase, cache_keyword
 
 __all__ = ["COMPILE_OPTIONS", "PASS_CACHE", "attend", "compiled_forward", "decode_forward"]
 
@@ -84,13 +84,14 @@ class _PassCache(CacheBase):
 PASS_CACHE = _PassCache(0)
 
 
-def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: CacheBase) -> torch.Tensor:
-    """The last position's logits of one forward of ``ids`` at ``positions`` (what is compiled).
+def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: dict) -> torch.Tensor:
+    """The last position's logits of one forward of ``ids`` at ``positions`` (what is compiled;
+    ``cache``: ``{keyword: PASS_CACHE}``, the keyword resolved outside, `hf.cache_keyword`).
 
     Shapes:
         ids, positions ``[B, 1]`` -> ``[B, V]``.
     """
-    return forward(model, input_ids=ids, position_ids=positions, cache=cache, logits_to_keep=1).logits[:, -1]
+    return model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **cache).logits[:, -1]
 
 
 _COMPILED = None
@@ -109,7 +110,7 @@ def fused_forward(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
     """`decode_forward` compiled, for the active cache (its batch dimension dynamic)."""
     torch._dynamo.maybe_mark_dynamic(ids, 0)
     torch._dynamo.maybe_mark_dynamic(positions, 0)
-    return compiled_forward()(model, ids, positions, PASS_CACHE)
+    return compiled_forward()(model, ids, positions, {cache_keyword(model): PASS_CACHE})
 
 
 def capture_fused(make, *, fused: str, restore: list[torch.Tensor]):
@@ -121,7 +122,7 @@ def capture_fused(make, *, fused: str, restore: list[torch.Tensor]):
         saved = [t.clone() for t in restore]
         try:
             return make(True), "on"
-        except Exception as exc:  # noqa: BLE001 - any compile / capture error: the unfused step
+        except Exception as exc:
             for t, s in zip(restore, saved):
                 t.copy_(s)
             fused = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"

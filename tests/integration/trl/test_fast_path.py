@@ -95,7 +95,7 @@ def test_trainer_rollouts_use_graphs_and_free_their_pool(tmp_path, cpu_graphs, m
     finally:
         gc.enable()
     assert len(pools) >= 2 and alive == 0
-    assert trainer.sparsecorr_rollout_engine == {"backend": "torch", "cuda_graph": "on"}
+    assert trainer.sparsecorr_rollout_engine == {"backend": "torch", "cuda_graph": "on", "fused": "on"}
     logged = [row["sparsecorr/rollout/cuda_graph"] for row in trainer.state.log_history
               if "sparsecorr/rollout/cuda_graph" in row]
     assert logged and all(v == 1.0 for v in logged)
@@ -106,4 +106,4 @@ def test_graphs_can_be_turned_off(tmp_path, cpu_graphs):
                            cuda_graph=False)
     trainer = _trainer(tmp_path, cfg, max_steps=1)
     trainer.train()
-    assert trainer.sparsecorr_rollout_engine == {"backend": "torch", "cuda_graph": "off"}
+    assert trainer.sparsecorr_rollout_engine == {"backend": "torch", "cuda_graph": "off", "fused": "off"}
