@@ -233,7 +233,7 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
     if cuda_graph and pruner is not None:
         raise ValueError("cuda_graph: needs no pruner (the pruner reads hidden states the captured step "
                          "does not return), got a pruner with cuda_graph=True")
-    if fused not in (None, True, False):
+    if fused is not None and not isinstance(fused, bool):
         raise ValueError(f"fused: expected None (on with cuda_graph), True or False, got {fused!r}")
     if fused and not cuda_graph:
         raise ValueError("fused: True compiles the captured decode step, so it needs cuda_graph=True; "

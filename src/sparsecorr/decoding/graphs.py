@@ -92,9 +92,14 @@ class CudaGraphRunner:
 
 
 class EagerRunner:
-    """The same static-buffer step run eagerly (what a replay computes; used by the CPU tests)."""
+    """The same static-buffer step run eagerly (what a replay computes; used by the CPU tests),
+    with `CudaGraphRunner`'s warm-up call (where the fused step compiles) and its restore."""
 
-    def __init__(self, fn, **_: object) -> None:
+    def __init__(self, fn, *, restore: list[torch.Tensor] = (), **_: object) -> None:
+        saved = [w.clone() for w in restore]
+        fn()
+        for w, s in zip(restore, saved):
+            w.copy_(s)
         self.fn = fn
 
     @staticmethod
