@@ -124,7 +124,7 @@ def test_bad_fused_values_are_refused(model, bad):
 
 def test_fused_needs_the_graph_step(model):
     ids, mask = _prompts(2)
-    with pytest.raises(ValueError, match="fused: True .* needs cuda_graph=True"):
+    with pytest.raises(ValueError, match=r"fused: True .* needs cuda_graph=True"):
         generate(model, ids, mask, policy=Dense(), budget=None, max_new_tokens=2, fused=True)
     off = generate(model, ids, mask, policy=Dense(), budget=None, max_new_tokens=2)
     assert off.meta["fused"] == "off" and off.meta["cuda_graph"] == "off"
