@@ -42,7 +42,8 @@ import torch
 from .cache import active
 from .hf import CacheBase, cache_keyword
 
-__all__ = ["COMPILE_OPTIONS", "PASS_CACHE", "attend", "compiled_forward", "decode_forward"]
+__all__ = ["COMPILE_OPTIONS", "PASS_CACHE", "attend", "capture_fused", "compiled_forward", "decode_forward",
+           "fused_forward"]
 
 #: inductor without its own CUDA graphs (ours capture the compiled code)
 COMPILE_OPTIONS = {"triton.cudagraphs": False}
@@ -106,11 +107,21 @@ def compiled_forward():
     return _COMPILED
 
 
+#: compiled variants kept per process (dynamo's default, 8, counts every model shape and the
+#: batch-1 specialisation together; past it a fullgraph compile raises and the step runs unfused)
+RECOMPILE_LIMIT = 64
+
+
 def fused_forward(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """`decode_forward` compiled, for the active cache (its batch dimension dynamic)."""
+    """`decode_forward` compiled, for the active cache (its batch dimension dynamic).
+
+    Shapes:
+        ids, positions ``[B, 1]`` -> ``[B, V]``.
+    """
     torch._dynamo.maybe_mark_dynamic(ids, 0)
     torch._dynamo.maybe_mark_dynamic(positions, 0)
-    return compiled_forward()(model, ids, positions, {cache_keyword(model): PASS_CACHE})
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        return compiled_forward()(model, ids, positions, {cache_keyword(model): PASS_CACHE})
 
 
 def capture_fused(make, *, fused: str, restore: list[torch.Tensor]):
