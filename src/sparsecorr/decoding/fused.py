@@ -137,6 +137,6 @@ def capture_fused(make, *, fused: str, restore: list[torch.Tensor]):
             for t, s in zip(restore, saved):
                 t.copy_(s)
             fused = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            warnings.warn(f"fused: compiling the decode step failed, running it unfused ({fused[8:]})",
+            warnings.warn(f"fused: compiling or capturing the fused decode step failed, running it unfused ({fused[8:]})",
                           RuntimeWarning, stacklevel=3)
     return make(False), fused
