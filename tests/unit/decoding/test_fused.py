@@ -61,17 +61,21 @@ POLICIES = [
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_fused_step_equals_the_unfused_step(cpu_graphs, model, policy):
-    ref = _generate(model, policy, fused=False)
-    got = _generate(model, policy, fused=True)
-    assert (ref.meta["fused"], got.meta["fused"]) == ("off", "on")
-    assert got.meta["cuda_graph"] == ref.meta["cuda_graph"] == "on"
-    assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.lengths, ref.lengths)
-    torch.testing.assert_close(got.rollout_logp, ref.rollout_logp, atol=2e-5, rtol=0)
-    torch.testing.assert_close(got.topk_logp, ref.topk_logp, atol=2e-5, rtol=0)
-    torch.testing.assert_close(got.kv_kept, ref.kv_kept)
-    if policy.evicts:
-        agree = got.kept_sets.agreement(ref.kept_sets)
-        assert agree.events == len(ref.kept_sets.rows) > 0 and agree.identical == 1.0
+    free = _generate(model, policy, fused=False)
+    # an EOS set that ends the rows at different steps: smaller buckets, captured anew
+    for eos in (None, sorted({int(free.tokens[r, 1 + 2 * r]) for r in range(free.tokens.shape[0])})):
+        ref = free if eos is None else _generate(model, policy, fused=False, eos=eos)
+        got = _generate(model, policy, fused=True, eos=eos)
+        assert (ref.meta["fused"], got.meta["fused"]) == ("off", "on")
+        assert got.meta["cuda_graph"] == ref.meta["cuda_graph"] == "on"
+        assert got.meta["graph_captures"] == ref.meta["graph_captures"] >= (1 if eos is None else 2)
+        assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.lengths, ref.lengths)
+        torch.testing.assert_close(got.rollout_logp, ref.rollout_logp, atol=2e-5, rtol=0)
+        torch.testing.assert_close(got.topk_logp, ref.topk_logp, atol=2e-5, rtol=0)
+        torch.testing.assert_close(got.kv_kept, ref.kv_kept)
+        if policy.evicts:
+            agree = got.kept_sets.agreement(ref.kept_sets)
+            assert agree.events == len(ref.kept_sets.rows) > 0 and agree.identical == 1.0
 
 
 def test_the_compiled_step_runs_the_custom_op_once_per_layer(cpu_graphs, model, monkeypatch):
