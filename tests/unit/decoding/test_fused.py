@@ -159,3 +159,14 @@ def test_a_failed_compile_warns_and_runs_the_unfused_step(cpu_graphs, model, mon
     torch.testing.assert_close(got.rollout_logp, ref.rollout_logp, atol=0, rtol=0)
     if policy.evicts:
         assert got.kept_sets.agreement(ref.kept_sets).identical == 1.0
+
+
+def test_fused_defaults_to_the_graph_step(cpu_graphs, model):
+    """``fused=None`` (the default) compiles the captured step whenever ``cuda_graph`` is on."""
+    ids, mask = _prompts(2)
+    kw = dict(policy=Dense(), budget=None, max_new_tokens=3, temperature=0)
+    on = generate(model, ids, mask, cuda_graph=True, **kw)
+    off = generate(model, ids, mask, cuda_graph=False, **kw)
+    assert (on.meta["cuda_graph"], on.meta["fused"]) == ("on", "on")
+    assert (off.meta["cuda_graph"], off.meta["fused"]) == ("off", "off")
+    assert torch.equal(on.tokens, off.tokens)
