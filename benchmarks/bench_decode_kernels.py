@@ -24,9 +24,23 @@ so this benchmark counts, on the CPU, the kernel-launching aten ops one step dis
 - **on CUDA** (when one is present) the same decode step under ``torch.profiler``: kernels per
   step (``--cuda``).
 
-The fused step (``torch.compile`` of the layer inside our CUDA graph) is not built yet: its row
-says so. Targets (issue 36): ours per layer <= 5 Dense, <= 4 StreamingLLM, <= 5 SnapKV and RKV,
-<= 10 BlockTopK; one RKV compression <= 25 kernels and <= 4x the bf16 keys' bytes.
+- **the fused step** (``generate(..., cuda_graph=True, fused=True)``, `sparsecorr.decoding.fused`):
+  the captured step's forward compiled by inductor (its C++ backend here; Triton on CUDA). Its
+  launches are read from the code inductor generates, not timed or sampled: the wrapper's
+  ``call()`` runs one line per launch, so the benchmark counts, in the wrapper of a fresh compile
+  (``torch._inductor.utils.run_and_get_code``), the generated kernels (``cpp_fused_*`` /
+  ``triton_*``), the extern kernels (``extern_kernels.mm``: the 7 GEMMs of a layer), fallback aten
+  ops and our custom op ``sparsecorr::attend``; the op itself is opaque to inductor, so the aten
+  ops it dispatches (K/V write, ring write, attention) are counted under the dispatch mode above,
+  in ``generate(3 tokens) - generate(2 tokens)`` (one replayed step; on the CPU the captured step
+  runs through the eager stand-in runner, the same compiled code minus the capture). Per layer =
+  ``(4 layers - 2 layers) / 2``; "compile s" is the 2-layer model's first step with inductor's
+  caches off (a cold compile; the first compile in a process also pays inductor's start-up).
+  ``--smoke``: Dense and RKV only; ``--no-fused``: skipped.
+
+Targets (issue 36): ours per layer <= 5 Dense, <= 4 StreamingLLM, <= 5 SnapKV and RKV,
+<= 10 BlockTopK; the fused step <= 16 launches per layer for the eviction policies (BlockTopK
+reported); one RKV compression <= 25 kernels and <= 4x the bf16 keys' bytes.
 
 Run: ``python benchmarks/bench_decode_kernels.py [--smoke] [--json PATH] [--cuda]``. It only uses
 ``sparsecorr.decoding``'s public API, so the same script measures an older checkout
@@ -37,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -59,6 +75,7 @@ _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided
          "record_stream", "_has_compatible_shallow_copy_type", "result_type", "is_nonzero"}
 TARGET_STEP = {"Dense": 5, "StreamingLLM": 4, "SnapKV": 5, "RKV": 5, "BlockTopK": 10}
 TARGET_RKV_KERNELS, TARGET_RKV_BYTES = 25, 4.0
+TARGET_FUSED = 16  # launches per layer of the fused step (eviction policies)
 
 
 def _tensors(x):
@@ -184,6 +201,102 @@ def step_table(smoke: bool) -> list[dict]:
     return rows
 
 
+# -- the fused step (torch.compile of the captured step) ----------------------------------------------
+
+# the wrapper inductor generates runs, in ``call()``, one line per launch: a generated kernel
+# (``cpp_fused_*(...)`` on the CPU, ``triton_*.run(...)`` on CUDA), an extern kernel
+# (``extern_kernels.mm(...)``: GEMMs), a fallback aten op or our custom op (``torch.ops.<ns>.<op>``)
+_LAUNCH = {"inductor": re.compile(r"^\s*(?:cpp_fused_\w+|triton_\w+(?:\.run)?)\("),
+           "extern": re.compile(r"^\s*(?:\w+ = )?extern_kernels\.\w+\("),
+           "aten": re.compile(r"^\s*(?:\w+ = )?(?:torch\.ops\.)?aten\.\w+(?:\.\w+)?\("),
+           "custom": re.compile(r"^\s*(?:\w+ = )?torch\.ops\.sparsecorr\.\w+(?:\.\w+)?\(")}
+
+
+def wrapper_launches(code: str) -> Counter:
+    """Launches in the ``call()`` of inductor's generated wrapper ``code``, by kind."""
+    body = code[code.index("def call("):]
+    out: Counter = Counter()
+    for line in body.splitlines()[1:]:
+        if line and not line.startswith(" "):  # the end of call()
+            break
+        for kind, pattern in _LAUNCH.items():
+            if pattern.match(line):
+                out[kind] += 1
+                break
+    return out
+
+
+def fused_counts(policy, *, layers: int, smoke: bool) -> dict:
+    """Launches of one fused decode step for a ``layers``-deep model: inductor's wrapper code of
+    the compiled forward (compiled afresh; the captured step on the CPU runs through the eager
+    stand-in runner, the same compile as on a GPU minus the capture), and the aten ops our custom
+    op ``sparsecorr::attend`` dispatches inside (K/V write and attention, counted under the
+    dispatch mode in ``generate(3 tokens) - generate(2 tokens)``: one replayed step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from sparsecorr.decoding import graphs
+    from sparsecorr.decoding.cache import SparseKVCache
+
+    model = _model(layers, smoke)
+    ids = torch.randint(3, 128, (2, 2 if smoke else 32), generator=torch.Generator().manual_seed(0))
+    kw = dict(policy=policy, budget=4 * ids.shape[1], temperature=0, backend="torch", logprobs_topk=0,
+              cuda_graph=True, fused=True)
+    saved = graphs.CudaGraphRunner, graphs.check_graph_device
+    graphs.CudaGraphRunner, graphs.check_graph_device = graphs.EagerRunner, lambda device: None
+    inner = KernelCounter()
+    methods = {name: getattr(SparseKVCache, name) for name in ("write", "attend")}
+
+    def counted(fn):  # the prefill's writes and attention count too: the difference cancels them
+        def run(*a, **k):
+            with inner:
+                return fn(*a, **k)
+        return run
+
+    try:
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        with torch._inductor.config.patch(force_disable_caches=True):  # a cold compile (no disk cache)
+            out, codes = run_and_get_code(lambda: generate(model, ids, max_new_tokens=2, **kw))
+        compile_s = time.perf_counter() - t0
+        if out.meta["fused"] != "on":
+            raise RuntimeError(f"the fused step did not run: {out.meta['fused']}")
+        for name, fn in methods.items():
+            setattr(SparseKVCache, name, counted(fn))
+        counts = []
+        for steps in (2, 3):
+            inner.by_owner.clear()
+            generate(model, ids, max_new_tokens=steps, **kw)
+            counts.append(inner.total)
+    finally:
+        for name, fn in methods.items():
+            setattr(SparseKVCache, name, fn)
+        graphs.CudaGraphRunner, graphs.check_graph_device = saved
+    wrapper = Counter()
+    for code in codes:  # one compile (batch 2)
+        wrapper += wrapper_launches(code)
+    return {"wrapper": dict(wrapper), "in_custom_op": counts[1] - counts[0], "compiles": len(codes),
+            "compile_s": compile_s}
+
+
+def fused_table(smoke: bool) -> list[dict]:
+    """Per policy: the fused step's launches per layer (``(4 layers - 2 layers) / 2``) and once
+    per step, and the compile seconds (the 2-layer model's first step, compile included)."""
+    rows = []
+    for name, pol in step_policies(smoke):
+        if smoke and name not in ("Dense", "RKV"):  # smoke: Dense and one eviction policy (4 compiles)
+            continue
+        c2, c4 = (fused_counts(pol, layers=n, smoke=smoke) for n in (2, 4))
+        kinds = ("inductor", "extern", "aten", "custom")
+        per = {k: (c4["wrapper"].get(k, 0) - c2["wrapper"].get(k, 0)) / 2 for k in kinds}
+        per["in_custom_op"] = (c4["in_custom_op"] - c2["in_custom_op"]) / 2
+        per["total"] = sum(per[k] for k in kinds if k != "custom") + per["in_custom_op"]
+        once = {k: c2["wrapper"].get(k, 0) - 2 * per[k] for k in kinds}
+        rows.append({"policy": name, "per_layer": per, "once_per_step": once, "target": TARGET_FUSED,
+                     "compile_s": c2["compile_s"], "compiles": c2["compiles"] + c4["compiles"],
+                     "torch": torch.__version__})
+    return rows
+
+
 # -- one compression event ------------------------------------------------------------------------
 
 def compress_shape(smoke: bool) -> dict:
@@ -257,13 +370,14 @@ def compress_table(smoke: bool) -> list[dict]:
 
 def cuda_kernels_per_step(smoke: bool) -> list[dict]:  # pragma: no cover - needs CUDA
     """Kernels per decode step from ``torch.profiler`` (CUDA): kernels of ``generate`` with 3 and
-    with 2 new tokens, differenced, eager and with ``cuda_graph=True``."""
+    with 2 new tokens, differenced, eager, with ``cuda_graph=True`` and with the fused step."""
     from torch.profiler import ProfilerActivity, profile
 
-    def kernels(model, ids, pol, steps, graph):
+    def kernels(model, ids, pol, steps, mode):
+        graph, fused = mode != "eager", mode == "fused"
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             generate(model, ids, policy=pol, budget=4 * ids.shape[1], max_new_tokens=steps, temperature=0,
-                     logprobs_topk=0, cuda_graph=graph)
+                     logprobs_topk=0, cuda_graph=graph, fused=fused)
             torch.cuda.synchronize()
         return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
@@ -272,10 +386,11 @@ def cuda_kernels_per_step(smoke: bool) -> list[dict]:  # pragma: no cover - need
         model = _model(layers, smoke).cuda()
         ids = torch.randint(3, 128, (2, 40), device="cuda")
         for name, pol in step_policies(smoke):
-            for graph in (False, True):
-                kernels(model, ids, pol, 2, graph)
-                n = kernels(model, ids, pol, 3, graph) - kernels(model, ids, pol, 2, graph)
-                rows.append({"policy": name, "layers": layers, "cuda_graph": graph, "kernels_per_step": n})
+            for mode in ("eager", "cuda_graph", "fused"):
+                kernels(model, ids, pol, 2, mode)
+                n = kernels(model, ids, pol, 3, mode) - kernels(model, ids, pol, 2, mode)
+                rows.append({"policy": name, "layers": layers, "cuda_graph": mode != "eager",
+                             "fused": mode == "fused", "kernels_per_step": n})
     return rows
 
 
@@ -283,6 +398,22 @@ def cuda_kernels_per_step(smoke: bool) -> list[dict]:  # pragma: no cover - need
 
 def _fmt(x: float) -> str:
     return f"{x:g}" if x == int(x) else f"{x:.1f}"
+
+
+def print_fused(rows: list[dict] | None) -> None:
+    """The fused step's table (launches per layer and once per step, compile seconds)."""
+    if not rows:
+        return
+    print(f"\n## fused step (compile): torch.compile of the captured step, CPU inductor, torch {rows[0]['torch']}\n")
+    out = []
+    for r in rows:
+        p, o = r["per_layer"], r["once_per_step"]
+        ok = "met" if p["total"] <= r["target"] else "missed"
+        out.append([r["policy"], _fmt(p["inductor"]), _fmt(p["extern"]), _fmt(p["aten"]), _fmt(p["in_custom_op"]),
+                    _fmt(p["total"]), _fmt(sum(o.values())), f"<= {r['target']}",
+                    ok if r["policy"] != "BlockTopK" else f"{ok} (reported)", f"{r['compile_s']:.1f}"])
+    print(table(["policy", "inductor/layer", "extern GEMM/layer", "aten/layer", "in sparsecorr::attend/layer",
+                 "total/layer", "once/step", "target", "", "compile s (cold)"], out))
 
 
 def print_tables(result: dict) -> None:
@@ -293,10 +424,10 @@ def print_tables(result: dict) -> None:
         rows.append([r["policy"], _fmt(r["per_layer"]["hf"]), _fmt(ours), _fmt(r["per_layer"]["other"]),
                      _fmt(r["once_per_step"]["hf"]), _fmt(r["once_per_step"]["ours"]), f"<= {t}",
                      "met" if ours <= t else "missed"])
-    rows.append(["fused step (compile)", "not built yet", "", "", "", "", "<= 16 total", "not built yet"])
     print("## eager decode step (torch backend): ops per layer and once per step\n")
     print(table(["policy", "HF/layer", "ours/layer", "other/layer", "HF/step", "ours/step", "target ours/layer",
                  ""], rows))
+    print_fused(result.get("fused"))
     print("\n## our per-layer ops by function\n")
     for r in result["step"]:
         parts = sorted(((v, k) for k, v in r["per_layer_where"].items() if k.startswith("ours")), reverse=True)
@@ -327,8 +458,9 @@ def print_tables(result: dict) -> None:
                  "target"], rows))
     if result.get("cuda"):
         print("\n## CUDA: kernels per decode step (torch.profiler)\n")
-        print(table(["policy", "layers", "cuda_graph", "kernels/step"],
-                    [[r["policy"], r["layers"], r["cuda_graph"], r["kernels_per_step"]] for r in result["cuda"]]))
+        print(table(["policy", "layers", "cuda_graph", "fused", "kernels/step"],
+                    [[r["policy"], r["layers"], r["cuda_graph"], r.get("fused", False), r["kernels_per_step"]]
+                     for r in result["cuda"]]))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -336,10 +468,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="small model and compression shape (seconds)")
     ap.add_argument("--json", type=Path, help="write the counts as JSON here")
     ap.add_argument("--cuda", action="store_true", help="also profile kernels per step on CUDA")
+    ap.add_argument("--no-fused", action="store_true", help="skip the fused step's rows (they compile 10 models)")
     args = ap.parse_args(argv)
     setup(2)
     torch.manual_seed(0)
     result = {"smoke": args.smoke, "step": step_table(args.smoke), "compress": compress_table(args.smoke)}
+    if not args.no_fused:
+        result["fused"] = fused_table(args.smoke)
     if args.cuda and torch.cuda.is_available():
         result["cuda"] = cuda_kernels_per_step(args.smoke)
     print_tables(result)

@@ -16,7 +16,11 @@
 #   pytest   python -m pytest -m gpu tests/gpu (every GPU test; junit XML in $OUT)
 #   trl      benchmarks/bench_trl_step_gpu.py (stock GRPOTrainer vs ours, memory after each step)
 #   decode   benchmarks/bench_decoding_gpu.py 0.6B, B=8, 32k and 4k, CUDA graphs
-# Budget: about 8-9 minutes on an H100 in all (pytest ~2 min, trl < 4 min, decode ~2 min).
+#   fused    tests/gpu/test_fused_gpu.py -s (the fused step: compile + capture, parity, kernels
+#            per step printed) and benchmarks/bench_decode_kernels.py --smoke --cuda (torch.profiler
+#            kernels per step: eager / CUDA graph / fused; JSON in $OUT/decode_kernels.json)
+# Budget: about 10-11 minutes on an H100 in all (pytest ~2 min, trl < 4 min, decode ~2 min,
+# fused ~2 min).
 # Prepare on the CPU machine first: bash ../shared/gpu/build_flashinfer_aot.sh and
 # bash scripts/gpu_wheels.sh; carry .gpu (see gpu_wheels.sh for the 64 MiB carry limit).
 set -uo pipefail
@@ -26,7 +30,7 @@ OUT="${OUT:-$ROOT/results/gpu-check}"
 mkdir -p "$OUT"
 CPU="${GPU_CHECK_CPU:-0}"
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env install memory pytest trl decode)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env install memory pytest trl decode fused)
 PY=python3
 [ "$CPU" = 1 ] && PY="${PYTHON:-python3}"
 export PYTHONPATH="/tmp/site:$ROOT/src:$ROOT/integrations/trl/src:$ROOT" FLASHINFER_WORKSPACE_BASE=/tmp/fiws \
@@ -90,7 +94,8 @@ for s in "${STEPS[@]}"; do
     decode) if [ "$CPU" = 1 ]; then step decode 240 $PY benchmarks/bench_decoding_gpu.py --smoke --out "$OUT/decode.jsonl"
             else step decode 240 $PY benchmarks/bench_decoding_gpu.py --models qwen3-0.6b --batches 8 \
                      --contexts 32768,4096 --cuda-graph --out "$OUT/decode.jsonl"; fi ;;
-    *) echo "gpu_check: unknown step $s (env install memory pytest trl decode)" >&2; exit 2 ;;
+    fused) step fused 240 bash -c "$PY -m pytest -q -s -m gpu tests/gpu/test_fused_gpu.py -p no:cacheprovider -rfEs -o addopts='' ; $PY benchmarks/bench_decode_kernels.py --smoke --cuda --no-fused --json $OUT/decode_kernels.json" ;;
+    *) echo "gpu_check: unknown step $s (env install memory pytest trl decode fused)" >&2; exit 2 ;;
   esac
 done
 echo "gpu_check: done; $OUT/steps.jsonl:"; cat "$OUT/steps.jsonl"

@@ -90,10 +90,10 @@ def test_float32_decode_keeps_the_replays_kept_sets(policy):
     assert _mad(out.rollout_logp, free.rollout_logp, out.mask) < 1e-3
 
 
-def _replay_logp(model, ids, am, tokens, *, policy, budget, backend, cuda_graph, keep_sets=None):
+def _replay_logp(model, ids, am, tokens, *, policy, budget, backend, cuda_graph, keep_sets=None, fused=False):
     """Log-probs of ``tokens [B, T]`` fed one decode step at a time (as ``generate`` feeds its own
-    samples), eagerly or through the captured graph step, under ``keep_sets`` (the eager run's
-    kept sets) when given; column 0 comes from the prefill."""
+    samples), eagerly or through the captured graph step (``fused``: compiled), under
+    ``keep_sets`` (the eager run's kept sets) when given; column 0 comes from the prefill."""
     from sparsecorr.decoding.backends import get_backend
     from sparsecorr.decoding.cache import ATTN_NAME, active_cache
     from sparsecorr.decoding.engine import Engine, pool_capacity
@@ -109,7 +109,7 @@ def _replay_logp(model, ids, am, tokens, *, policy, budget, backend, cuda_graph,
     param = next(model.parameters())
     engine = Engine(model, policy=policy, backend=get_backend(backend, device=param.device, dtype=param.dtype),
                     table=table, batch=ids.shape[0], capacity=pool_capacity(policy, table, longest=longest, chunk=256),
-                    grad=False, cuda_graph=cuda_graph)
+                    grad=False, cuda_graph=cuda_graph, fused=fused)
     engine.forced_keep = None if keep_sets is None else keep_sets.lookup()
     tokens = tokens.to(param.device)
     out = []
@@ -124,6 +124,8 @@ def _replay_logp(model, ids, am, tokens, *, policy, budget, backend, cuda_graph,
                                  logits_to_keep=1).logits[:, -1]
             engine.compress_due()
     status = engine.graphs.status if engine.graphs is not None else "off"
+    if fused:  # the fused step must have run, not its unfused fallback
+        assert engine.graphs.fused == "on", engine.graphs.fused
     return torch.stack(out, 1).cpu(), status
 
 

@@ -35,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", help=" | ".join(BACKENDS) + " (default auto)")
     p.add_argument("--cuda-graph", default="auto", choices=GRAPH_MODES,
                    help="replay decode steps as CUDA graphs: auto (on for a CUDA device), on, off")
+    p.add_argument("--fused", default="auto", choices=GRAPH_MODES,
+                   help="compile the captured decode step (torch.compile): auto (on with the CUDA-graph step), "
+                        "on (needs it), off")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill forward")
     p.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | cuda | cuda:N")
     p.add_argument("--out", required=True, help="output path of the RolloutBatch (.safetensors)")
@@ -80,6 +83,9 @@ def _device(args: argparse.Namespace) -> str:
             raise ValueError(f"--backend: {reason if not ok else 'flashinfer needs --device cuda'}")
     if args.cuda_graph == "on" and dev.type != "cuda":
         raise ValueError(f"--cuda-graph: on needs a CUDA device, got --device {device}")
+    if args.fused == "on" and (args.cuda_graph == "off" or dev.type != "cuda"):
+        raise ValueError("--fused: on compiles the CUDA-graph step, so it needs --cuda-graph on or auto and a CUDA "
+                         f"device, got --cuda-graph {args.cuda_graph} --device {device}")
     return device
 
 
@@ -169,14 +175,16 @@ def run(args: argparse.Namespace) -> int:
                      top_k=args.top_k, top_p=args.top_p, eos_token_id=model.config.eos_token_id,
                      generator=torch.Generator().manual_seed(args.seed), progress=True, backend=args.backend,
                      prefill_chunk=args.prefill_chunk,
-                     cuda_graph=args.cuda_graph == "on" or (args.cuda_graph == "auto" and model.device.type == "cuda"))
+                     cuda_graph=args.cuda_graph == "on" or (args.cuda_graph == "auto" and model.device.type == "cuda"),
+                     fused={"auto": None, "on": True, "off": False}[args.fused])
     elapsed = time.perf_counter() - t0
     path = batch.save(args.out)  # an OSError (disk full) is one line from the CLI, status 1
     n_tok = int(batch.lengths.sum())
     kept = batch.kv_kept[batch.mask]
     print(f"wrote {path} ({len(prompts)} rollouts, {n_tok} tokens)")
     print(f"throughput: {n_tok / elapsed:.1f} tokens/s ({elapsed:.2f} s, policy {policy!r}, "
-          f"backend {batch.meta['backend']}, cuda_graph {batch.meta['cuda_graph']})")
+          f"backend {batch.meta['backend']}, cuda_graph {batch.meta['cuda_graph']}, "
+          f"fused {batch.meta.get('fused', 'off')})")
     print(f"KV: peak {batch.peak_kv_bytes / 2**20:.2f} MiB, mean attended "
           f"{float(kept.mean()) if kept.numel() else 0.0:.1f} tokens per layer and head")
     return 0

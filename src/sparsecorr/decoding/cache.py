@@ -32,7 +32,7 @@ from .policies import (
 )
 from .pool import KVPool
 
-__all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active_cache", "forced_keep", "gather_mask"]
+__all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active", "active_cache", "forced_keep", "gather_mask"]
 
 ATTN_NAME = "sparsecorr"
 _ACTIVE: contextvars.ContextVar[SparseKVCache | None] = contextvars.ContextVar("sparsecorr_cache", default=None)
@@ -78,6 +78,8 @@ class SparseKVCache(CacheBase):
 
     # -- the cache protocol of hf.CacheBase ---------------------------------------------------
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():  # traced: sparsecorr::attend writes (decoding.fused)
+            return key, value
         st = self.step
         if layer_idx == 0 and self.pool.pos is not None:  # every layer's positions, once per step
             self.pool.write_positions(st.slots, st.positions)
@@ -220,12 +222,21 @@ def active_cache(cache: SparseKVCache) -> Iterator[SparseKVCache]:
         _ACTIVE.reset(token)
 
 
-def sparsecorr_attention(layer: int, query, key, value, scaling: float) -> torch.Tensor:
-    """The attention function: attention over the active cache's kept / selected slots."""
+def active() -> SparseKVCache:
+    """The cache of the enclosing `active_cache` block."""
     cache = _ACTIVE.get()
     if cache is None:
         raise RuntimeError("sparsecorr attention used outside sparsecorr.decoding.generate")
-    return cache.attend(layer, query, key, value, scaling)
+    return cache
+
+
+def sparsecorr_attention(layer: int, query, key, value, scaling: float) -> torch.Tensor:
+    """The attention function: attention over the active cache's kept / selected slots. Traced
+    by ``torch.compile`` (the fused step), it is the opaque op ``sparsecorr::attend``
+    (`sparsecorr.decoding.fused`), which writes the K/V and attends at run time."""
+    if torch.compiler.is_compiling():
+        return torch.ops.sparsecorr.attend(query, key, value, layer, scaling)
+    return active().attend(layer, query, key, value, scaling)
 
 
 register_attention(ATTN_NAME, sparsecorr_attention)

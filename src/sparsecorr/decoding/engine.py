@@ -55,6 +55,7 @@ class Engine:
         capacity: slots per row to allocate (see `pool_capacity`).
         grad: autograd on (every pool update out of place).
         cuda_graph: replay single-token decode steps as CUDA graphs.
+        fused: run the captured step's model forward compiled (`sparsecorr.decoding.fused`).
         rows: the caller's row index of each engine row (CPU long ``[batch]``; default
             ``arange``), kept through `select_rows` (kept-set records are keyed by it).
 
@@ -64,7 +65,7 @@ class Engine:
     """
 
     def __init__(self, model: PreTrainedModel, *, policy: KVPolicy, backend: AttentionBackend, table: torch.Tensor,
-                 batch: int, capacity: int, grad: bool, cuda_graph: bool = False,
+                 batch: int, capacity: int, grad: bool, cuda_graph: bool = False, fused: bool = False,
                  rows: torch.Tensor | None = None) -> None:
         self.spec = spec = model_spec(model)  # refuses attention variants it would get wrong
         self.model, self.policy, self.table = model, policy, table
@@ -91,7 +92,7 @@ class Engine:
         if cuda_graph:
             from .graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs()  # no reference back to the engine: no cycle to collect
+            self.graphs = DecodeGraphs(fused=fused)  # no reference back to the engine: no cycle to collect
 
     def _keep_cap(self) -> int:
         """Most pages a sparse layer keeps in this run (a static size for CUDA graphs)."""

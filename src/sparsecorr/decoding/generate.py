@@ -76,7 +76,7 @@ def _sync(device: torch.device) -> None:
 
 def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, progress, prefill_chunk,
          eos_token_id=None, pruner=None, group_size=None, forced=None, forced_len=None, chunk_size=None,
-         grad=False, cuda_graph=False, topk_requested=None, record_keep=False, keep_sets=None) -> RolloutBatch:
+         grad=False, cuda_graph=False, fused=False, topk_requested=None, record_keep=False, keep_sets=None) -> RolloutBatch:
     """Decode (or replay ``forced``) the non-empty rows; empty prompts get blank rows."""
     check_transformers()
     model_spec(model)  # refuses an attention variant up front, even for an empty batch
@@ -97,7 +97,7 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     chunk = prefill_chunk or int(lens.max())
     engine = Engine(model, policy=policy, backend=back, table=table, batch=live.numel(),
                     capacity=pool_capacity(policy, table, longest=longest, chunk=chunk), grad=grad,
-                    cuda_graph=cuda_graph, rows=live)
+                    cuda_graph=cuda_graph, fused=fused, rows=live)
     engine.kept_events = [] if record_keep else None
     engine.forced_keep = None if keep_sets is None else keep_sets.lookup()
     bar = tqdm(total=t_max, disable=not progress, desc=f"decode {policy.name}")
@@ -152,7 +152,7 @@ def _engine_info(engine) -> dict:
     g = engine.graphs
     return {"peak_kv_bytes": engine.peak_slots * engine.pool.slot_bytes(),
             "kv_pool_bytes": engine.pool.allocated_bytes(), "cuda_graph": g.status if g else "off",
-            "graph_captures": g.captures if g else 0, "capture_s": g.capture_s if g else 0.0,
+            "fused": g.fused if g else "off", "graph_captures": g.captures if g else 0, "capture_s": g.capture_s if g else 0.0,
             "kept_sets": None if engine.kept_events is None else
             kept_sets(engine.kept_events, layers=engine.n_layers, heads=engine.heads_kv)}
 
@@ -163,7 +163,7 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
              logprobs_topk: int = 20, eos_token_id: int | list[int] | None = None,
              backend: str = "auto", generator: torch.Generator | None = None, progress: bool = False,
              pruner: Any | None = None, group_size: int | None = None,
-             prefill_chunk: int | None = 512, cuda_graph: bool = False,
+             prefill_chunk: int | None = 512, cuda_graph: bool = False, fused: bool | None = None,
              record_keep: bool = False) -> RolloutBatch:
     """Sample responses with a sparse KV policy and record the sampler's log-probs.
 
@@ -233,6 +233,11 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
     if cuda_graph and pruner is not None:
         raise ValueError("cuda_graph: needs no pruner (the pruner reads hidden states the captured step "
                          "does not return), got a pruner with cuda_graph=True")
+    if fused is not None and not isinstance(fused, bool):
+        raise ValueError(f"fused: expected None (on with cuda_graph), True or False, got {fused!r}")
+    if fused and not cuda_graph:
+        raise ValueError("fused: True compiles the captured decode step, so it needs cuda_graph=True; "
+                         "got fused=True with cuda_graph=False")
     if cuda_graph:
         graphs.check_graph_device(next(model.parameters()).device)
     ids, lens = _prompts(model, input_ids, attention_mask)
@@ -244,7 +249,7 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
     return _run(model, ids, lens, policy=policy, budget=budget, max_new_tokens=max_new_tokens, samp=samp,
                 backend=backend, progress=progress, prefill_chunk=prefill_chunk,
                 eos_token_id=eos_token_id, pruner=pruner, group_size=group_size, cuda_graph=cuda_graph,
-                topk_requested=logprobs_topk, record_keep=record_keep)
+                fused=cuda_graph if fused is None else fused, topk_requested=logprobs_topk, record_keep=record_keep)
 
 
 def _check_keep_args(record_keep: object, keep_sets: object) -> None:

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import torch
 
 from .cache import Step
+from .fused import capture_fused, fused_forward
 from .hf import forward
 from .policies import selection_plan
 
@@ -91,9 +92,14 @@ class CudaGraphRunner:
 
 
 class EagerRunner:
-    """The same static-buffer step run eagerly (what a replay computes; used by the CPU tests)."""
+    """The same static-buffer step run eagerly (what a replay computes; used by the CPU tests),
+    with `CudaGraphRunner`'s warm-up call (where the fused step compiles) and its restore."""
 
-    def __init__(self, fn, **_: object) -> None:
+    def __init__(self, fn, *, restore: list[torch.Tensor] = (), **_: object) -> None:
+        saved = [w.clone() for w in restore]
+        fn()
+        for w, s in zip(restore, saved):
+            w.copy_(s)
         self.fn = fn
 
     @staticmethod
@@ -104,9 +110,10 @@ class EagerRunner:
         return self.fn()
 
 
-def _graph_forward(model, cache, step: Step, ids: torch.Tensor) -> torch.Tensor:
+def _graph_forward(model, cache, step: Step, ids: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """The captured decode forward: reads the whole pool, the row lengths in a mask built from
-    the static device counts. Closes over no engine (see the module's *Ownership*)."""
+    the static device counts; ``fused``: the model's forward compiled (`sparsecorr.decoding.fused`).
+    Closes over no engine (see the module's *Ownership*)."""
     cap = cache.pool.capacity
     step.mask = (torch.arange(cap, device=ids.device) <= step.counts[:, None])[:, None, None, :]
     step.bias = step.gather = None  # made again by this forward's first layers
@@ -114,6 +121,8 @@ def _graph_forward(model, cache, step: Step, ids: torch.Tensor) -> torch.Tensor:
         step.plan = selection_plan(cache.policy, slots=step.query_slots, budgets=step.budgets, k=step.keep_max,
                                    n_pages=cache.pool.pages_per_row)
     cache.step = step
+    if fused:
+        return fused_forward(model, ids, step.positions)
     return forward(model, input_ids=ids, position_ids=step.positions, cache=cache, logits_to_keep=1).logits[:, -1]
 
 
@@ -128,9 +137,10 @@ class DecodeGraphs:
     """One captured decode forward per batch size met (bucketed by the decode loop), for an
     `sparsecorr.decoding.engine.Engine`."""
 
-    def __init__(self, *, runner=None) -> None:
+    def __init__(self, *, runner=None, fused: bool = False) -> None:
         self.captured: dict[int, _Captured] = {}
         self.status = "on"
+        self.fused = "on" if fused else "off"  # "failed: ..." once the fused step failed (then unfused)
         self.captures = 0  # graphs captured (one per batch bucket met)
         self.capture_s = 0.0  # host seconds spent capturing (warm-up step included)
         self.runner = runner or CudaGraphRunner
@@ -182,9 +192,11 @@ class DecodeGraphs:
         self._load(e, c, ids)
         t0 = time.perf_counter()
         self.captured = {}  # a smaller batch never comes back: free the older graph first
-        c.runner = self.runner(functools.partial(_graph_forward, e.model, e.cache, st, static_ids),
-                               pool=self.pool,
-                               restore=(e.pool.win or []) + (e.pool.summ or []), device=e.device)
+        restore = (e.pool.win or []) + (e.pool.summ or [])
+        make = lambda fused: self.runner(  # noqa: E731
+            functools.partial(_graph_forward, e.model, e.cache, st, static_ids, fused),
+            pool=self.pool, restore=restore, device=e.device)
+        c.runner, self.fused = capture_fused(make, fused=self.fused, restore=restore)
         self.capture_s += time.perf_counter() - t0  # torch.cuda.graph syncs on entry
         self.captures += 1
         self.captured = {b: c}

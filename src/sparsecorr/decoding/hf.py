@@ -43,6 +43,7 @@ __all__ = [
     "CacheBase",
     "ModelSpec",
     "UnsupportedTransformersError",
+    "cache_keyword",
     "check_transformers",
     "config_vocab_size",
     "forward",
@@ -116,6 +117,12 @@ def _cache_keyword(model_class: type) -> str:
     """``cache`` where the class's forward takes it (5.24 on), else ``past_key_values`` (read
     once per model class: ``forward`` runs every decode step)."""
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_keyword(model) -> str:
+    """The forward's cache keyword for ``model`` (a peft wrapper: its base model's)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _cache_keyword(type(base))
 
 
 def forward(model, *, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache,

@@ -40,6 +40,10 @@ def _rollouts(model, **kw):
     (dict(policy="streaming_llm", budget=4, cuda_graph=1), "cuda_graph"),
     (dict(cuda_graph=True), "cuda_graph"),
     (dict(policy="streaming_llm", budget=4, backend="vllm"), "backend"),
+    (dict(policy="streaming_llm", budget=4, fused_step="yes"), "fused_step"),
+    (dict(policy="streaming_llm", budget=4, fused_step=1), "fused_step"),
+    (dict(policy="streaming_llm", budget=4, cuda_graph=False, fused_step=True), "fused_step"),
+    (dict(fused_step=True), "fused_step"),
 ])
 def test_bad_fast_path_options_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -69,6 +73,10 @@ def test_graph_rollouts_equal_eager_rollouts(cpu_graphs):
     eager = _rollouts(model, cuda_graph=False)
     graph = _rollouts(model, cuda_graph=True)
     assert graph.cuda_graph == "on" and graph.stats.as_metrics()["sparsecorr/rollout/cuda_graph"] == 1.0
+    assert graph.fused == "on" and graph.stats.as_metrics()["sparsecorr/rollout/fused"] == 1.0
+    assert eager.fused == "off" and eager.stats.as_metrics()["sparsecorr/rollout/fused"] == 0.0
+    unfused = _rollouts(model, cuda_graph=True, fused_step=False)
+    assert (unfused.cuda_graph, unfused.fused) == ("on", "off") and unfused.completions == graph.completions
     assert graph.completions == eager.completions
     for a, b in zip(graph.logprobs, eager.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-5, rtol=0)
@@ -95,7 +103,7 @@ def test_trainer_rollouts_use_graphs_and_free_their_pool(tmp_path, cpu_graphs, m
     finally:
         gc.enable()
     assert len(pools) >= 2 and alive == 0
-    assert trainer.sparsecorr_rollout_engine == {"backend": "torch", "cuda_graph": "on"}
+    assert trainer.sparsecorr_rollout_engine == {"backend": "torch", "cuda_graph": "on", "fused": "on"}
     logged = [row["sparsecorr/rollout/cuda_graph"] for row in trainer.state.log_history
               if "sparsecorr/rollout/cuda_graph" in row]
     assert logged and all(v == 1.0 for v in logged)
@@ -106,4 +114,4 @@ def test_graphs_can_be_turned_off(tmp_path, cpu_graphs):
                            cuda_graph=False)
     trainer = _trainer(tmp_path, cfg, max_steps=1)
     trainer.train()
-    assert trainer.sparsecorr_rollout_engine == {"backend": "torch", "cuda_graph": "off"}
+    assert trainer.sparsecorr_rollout_engine == {"backend": "torch", "cuda_graph": "off", "fused": "off"}

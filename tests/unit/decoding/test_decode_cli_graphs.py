@@ -36,6 +36,12 @@ def test_on_needs_cuda(tmp_path, capsys, model_dir):
     assert "--cuda-graph: on needs a CUDA device" in err and err.count("\n") == 1
 
 
+def test_fused_on_needs_the_graph_step(tmp_path, capsys, model_dir):
+    assert _run(tmp_path, model_dir, "--fused", "on") == 2
+    err = capsys.readouterr().err
+    assert "--fused: on compiles the CUDA-graph step" in err and err.count("\n") == 1
+
+
 def test_auto_takes_graphs_on_a_cuda_model(tmp_path, capsys, model_dir, monkeypatch):
     """The model reports a CUDA device: ``auto`` asks generate for graphs (run on the CPU with
     the eager stand-in runner)."""
@@ -46,6 +52,8 @@ def test_auto_takes_graphs_on_a_cuda_model(tmp_path, capsys, model_dir, monkeypa
     monkeypatch.setattr(graphs_mod, "check_graph_device", lambda device: None)
     monkeypatch.setattr(PreTrainedModel, "device", property(lambda self: torch.device("cuda")))
     assert _run(tmp_path, model_dir) == 0
-    assert "cuda_graph on" in capsys.readouterr().out
+    assert "cuda_graph on, fused on" in capsys.readouterr().out  # the first call's line
+    assert _run(tmp_path, model_dir, "--fused", "off") == 0
+    assert "cuda_graph on, fused off" in capsys.readouterr().out
     assert _run(tmp_path, model_dir, "--cuda-graph", "off") == 0
-    assert "cuda_graph off" in capsys.readouterr().out
+    assert "cuda_graph off, fused off" in capsys.readouterr().out

@@ -59,6 +59,10 @@ class SparseCorrConfig:
             cuda_graph=True)``); ``None`` (default): on when the model is on a CUDA device, off
             elsewhere; ``False`` turns them off (e.g. to debug a capture). ``True`` with a model
             off CUDA raises at the first rollout. Needs ``policy``.
+        fused_step: compile the captured decode step (``generate(..., fused=...)``: HF's
+            elementwise chains fused by ``torch.compile``, see ``sparsecorr.decoding.fused``);
+            ``None`` (default): on whenever the CUDA-graph step is; ``False`` turns it off;
+            ``True`` needs ``cuda_graph`` not ``False``. Logged as ``sparsecorr/rollout/fused``.
         backend: the sampler's attention backend (``"auto"``: FlashInfer on CUDA when installed,
             else ``"torch"``; or ``"torch"``, ``"flashinfer"``, ``"reference"``).
 
@@ -88,6 +92,7 @@ class SparseCorrConfig:
     distill_lr: float = 1e-4
     distill_kl_weight: float = 1e-3
     cuda_graph: bool | None = None
+    fused_step: bool | None = None
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -126,6 +131,11 @@ class SparseCorrConfig:
             raise ValueError(f"cuda_graph: expected None (on for CUDA), True or False, got {self.cuda_graph!r}")
         if self.cuda_graph and self.policy is None:
             raise ValueError("cuda_graph: applies to sparsecorr's sampler (set policy), got policy=None")
+        if not (self.fused_step is None or isinstance(self.fused_step, bool)):
+            raise ValueError(f"fused_step: expected None (on with cuda_graph), True or False, got {self.fused_step!r}")
+        if self.fused_step and (self.policy is None or self.cuda_graph is False):
+            raise ValueError("fused_step: compiles sparsecorr's CUDA-graph decode step (needs policy set and "
+                             f"cuda_graph None or True), got policy={self.policy!r}, cuda_graph={self.cuda_graph!r}")
         if self.backend not in ("auto", "torch", "flashinfer", "reference"):
             raise ValueError(f"backend: expected one of ['auto', 'torch', 'flashinfer', 'reference'], "
                              f"got {self.backend!r}")

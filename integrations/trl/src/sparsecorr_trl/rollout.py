@@ -13,7 +13,8 @@ truncated: truncation is part of the mismatch the correction sees, as with vLLM)
 
 On a CUDA device the sampler runs its fast path by default: CUDA-graph decode steps with the
 ``auto`` backend (FlashInfer when installed). What ran is logged: ``sparsecorr/rollout/cuda_graph``
-(1 when the graph replays ran, 0 when eager) and ``sparsecorr/rollout/flashinfer`` (1 when the
+(1 when the graph replays ran, 0 when eager), ``sparsecorr/rollout/fused`` (1 when the captured
+step ran compiled, ``sparsecorr.decoding.fused``) and ``sparsecorr/rollout/flashinfer`` (1 when the
 FlashInfer kernels ran); `SparseRollouts.backend` names the backend. The batch comes back to the
 host once (``generate`` returns CPU tensors) and is split into Python lists in one ``tolist`` per
 field, not one per row.
@@ -40,6 +41,7 @@ class RolloutStats:
     mean_budget: float
     mean_kv_kept: float
     cuda_graph: float = 0.0
+    fused: float = 0.0
     flashinfer: float = 0.0
 
     def as_metrics(self) -> dict[str, float]:
@@ -83,6 +85,7 @@ class SparseRollouts:
     topk_ids: torch.Tensor | None = None
     backend: str = ""
     cuda_graph: str = "off"
+    fused: str = "off"
 
 
 def use_cuda_graph(model, option: bool | None) -> bool:
@@ -93,10 +96,10 @@ def use_cuda_graph(model, option: bool | None) -> bool:
 def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_new_tokens: int,
                     eos_token_id, pad_token_id: int, generator: torch.Generator,
                     sampling: dict, logprobs_topk: int = 0, cuda_graph: bool | None = None,
-                    backend: str = "auto") -> SparseRollouts:
+                    backend: str = "auto", fused_step: bool | None = None) -> SparseRollouts:
     """Sample one completion per prompt with the sparse sampler (and record its top-k
     log-probs, for the acceptance rate, when ``logprobs_topk > 0``). ``cuda_graph``: None = on
-    for a CUDA model (see `use_cuda_graph`)."""
+    for a CUDA model (see `use_cuda_graph`); ``fused_step``: ``generate``'s ``fused``."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("prompt_ids: expected non-empty token id lists, got an empty prompt")
     ids, mask = _pad(prompt_ids, pad_token_id)
@@ -104,7 +107,7 @@ def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_n
         batch = generate(model, ids, mask, policy=policy, budget=budget,
                          max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                          generator=generator, logprobs_topk=logprobs_topk, backend=backend,
-                         cuda_graph=use_cuda_graph(model, cuda_graph), **sampling)
+                         cuda_graph=use_cuda_graph(model, cuda_graph), fused=fused_step, **sampling)
     lengths = batch.lengths.tolist()
     tokens, logp = batch.tokens.tolist(), batch.rollout_logp.tolist()  # host tensors: one pass each
     completions = [row[:n] for row, n in zip(tokens, lengths)]
@@ -117,7 +120,8 @@ def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_n
         peak_kv_bytes=int(batch.peak_kv_bytes),
         mean_budget=float(budget_t[budget_t >= 0].mean()) if bool((budget_t >= 0).any()) else -1.0,
         mean_kv_kept=float(batch.kv_kept[gen].mean()) if bool(gen.any()) else 0.0,
-        cuda_graph=float(batch.meta["cuda_graph"] == "on"), flashinfer=float(batch.meta["backend"] == "flashinfer"))
+        cuda_graph=float(batch.meta["cuda_graph"] == "on"), fused=float(batch.meta["fused"] == "on"),
+        flashinfer=float(batch.meta["backend"] == "flashinfer"))
     top = (batch.topk_logp, batch.topk_ids) if logprobs_topk > 0 else (None, None)
     return SparseRollouts(completions, logprobs, stats, *top, backend=batch.meta["backend"],
-                          cuda_graph=batch.meta["cuda_graph"])
+                          cuda_graph=batch.meta["cuda_graph"], fused=batch.meta["fused"])

@@ -115,7 +115,7 @@ class SparseGRPOTrainer(_trainer_base()):
                                  "everywhere), got none")
             self.add_callback(SparseCorrCallback(TailController(schedule, candidates, tau=cfg.tau)))
         self._sparsecorr_topk = None
-        self.sparsecorr_rollout_engine: dict[str, str] | None = None  # backend and cuda_graph of the last rollout
+        self.sparsecorr_rollout_engine: dict[str, str] | None = None  # backend, cuda_graph, fused of the last rollout
         self._sparsecorr_needs_acceptance = bool(
             cfg.acceptance or self._callbacks() or needs_acceptance(self.sparsecorr_correction))
         if self._sparsecorr_needs_acceptance and self.sparsecorr_policy is None and self.use_vllm:
@@ -172,8 +172,9 @@ class SparseGRPOTrainer(_trainer_base()):
             max_new_tokens=self.max_completion_length, eos_token_id=list(self.eos_token_ids),
             pad_token_id=self._tokenizer.pad_token_id or 0, generator=self._sparsecorr_generator,
             sampling=sampling_kwargs(self.args), logprobs_topk=topk,
-            cuda_graph=self.sparsecorr_config.cuda_graph, backend=self.sparsecorr_config.backend)
-        self.sparsecorr_rollout_engine = {"backend": out.backend, "cuda_graph": out.cuda_graph}
+            cuda_graph=self.sparsecorr_config.cuda_graph, backend=self.sparsecorr_config.backend,
+            fused_step=self.sparsecorr_config.fused_step)
+        self.sparsecorr_rollout_engine = {"backend": out.backend, "cuda_graph": out.cuda_graph, "fused": out.fused}
         if topk:
             self._sparsecorr_topk = (out.topk_logp, out.topk_ids)
         if self.sparsecorr_config.log_metrics:

@@ -1,0 +1,142 @@
+r"""The fused decode step: the captured step's model forward through ``torch.compile``.
+
+A Qwen3 decode step in eager mode launches about 53 kernels per layer that are HF's own
+(RMSNorm x4 = 32, rotary 10, GEMMs 7, SiLU·mul and residual adds 4; `../shared/gpu`'s H100
+profile), and inside a CUDA graph each still costs ~2.5 µs. With ``fused`` on, the CUDA-graph
+step (`sparsecorr.decoding.graphs`) runs the model's forward as compiled by inductor, so those
+elementwise chains become a few generated kernels per layer; the GEMMs stay extern (cuBLAS /
+mkldnn) calls.
+
+What is compiled and what is not:
+
+- **Compiled**: HF's forward from the embedding to the last position's logits (norms, rotary,
+  projections, MLP, residuals, the final norm and the LM head), traced by dynamo with
+  ``fullgraph=True`` and lowered by inductor **without** inductor's CUDA graphs
+  (``triton.cudagraphs = False``): our `CudaGraphRunner` captures the compiled code as it
+  captures the eager step.
+- **Opaque**: the attention. The ``"sparsecorr"`` attention hook, when traced, calls the custom
+  op ``sparsecorr::attend(query, key, value, layer, scaling)`` (`attend`), which dynamo and
+  inductor do not look into: at run time it writes the layer's K/V into the pool and attends over
+  the active cache exactly as the eager step does (``SparseKVCache.write`` then ``attend``). The
+  cache the compiled forward sees is `PASS_CACHE`, which hands K/V through untouched and has a
+  constant length, so no guard depends on the pool, the step or any per-step Python value.
+- **Eager, inside the captured step**: the step's mask and BlockTopK's selection plan (built
+  before the compiled call, as in the unfused step), and everything outside the captured step
+  (compression, sampling, FlashInfer's ``plan``).
+
+When: the compiled function is made once per process (dynamo keeps its code per Python code
+object); it compiles on the first call, which is the first captured step's warm-up (on the
+capture stream), with the batch dimension marked dynamic, so one compile serves every batch
+bucket above 1 (dynamo specialises a batch of 1: a second compile when the batch shrinks to 1).
+A later ``generate`` with the same model reuses it. If compiling or running it fails, the engine
+warns once and runs the unfused step; ``RolloutBatch.meta["fused"]`` says ``"on"``, ``"off"``
+or ``"failed: <error>"``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .cache import active
+from .hf import CacheBase, cache_keyword
+
+__all__ = ["COMPILE_OPTIONS", "PASS_CACHE", "attend", "capture_fused", "compiled_forward", "decode_forward",
+           "fused_forward"]
+
+#: inductor without its own CUDA graphs (ours capture the compiled code)
+COMPILE_OPTIONS = {"triton.cudagraphs": False}
+
+
+@torch.library.custom_op("sparsecorr::attend", mutates_args=())
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
+    """Write one layer's K/V into the active cache's pool and attend (opaque to the compiler).
+
+    The pool, the step and the policy state it reads and writes are not arguments: they belong
+    to the active cache (`sparsecorr.decoding.cache.active_cache`), as in the eager hook.
+
+    Shapes:
+        query ``[B, Hq, Q, D]``; key, value ``[B, Hkv, Q, D]`` (this step's, after rotary) ->
+        ``[B, Hq, Q, D]`` (contiguous).
+    """
+    cache = active()
+    k, v = cache.write(layer, key, value)
+    return cache.attend(layer, query, k, v, scaling).contiguous()
+
+
+@attend.register_fake
+def _attend_fake(query, key, value, layer, scaling):
+    return query.new_empty(query.shape)
+
+
+class _PassCache(CacheBase):
+    """The cache the compiled forward sees: hands each layer's K/V to the attention unchanged
+    (the custom op does the write) and has a constant length (no per-step guard)."""
+
+    def write(self, layer_idx, key, value):
+        return key, value
+
+    def seq_length(self) -> int:
+        return 0
+
+
+#: one instance for every call (dynamo guards on what it reads of it: nothing that changes)
+PASS_CACHE = _PassCache(0)
+
+
+def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: dict) -> torch.Tensor:
+    """The last position's logits of one forward of ``ids`` at ``positions`` (what is compiled;
+    ``cache``: ``{keyword: PASS_CACHE}``, the keyword resolved outside, `hf.cache_keyword`).
+
+    Shapes:
+        ids, positions ``[B, 1]`` -> ``[B, V]``.
+    """
+    return model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **cache).logits[:, -1]
+
+
+_COMPILED = None
+
+
+def compiled_forward():
+    """``torch.compile(decode_forward)`` (inductor, full graph, no inductor CUDA graphs), made once."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(decode_forward, backend="inductor", fullgraph=True, dynamic=False,
+                                  options=COMPILE_OPTIONS)
+    return _COMPILED
+
+
+#: compiled variants kept per process (dynamo's default, 8, counts every model shape and the
+#: batch-1 specialisation together; past it a fullgraph compile raises and the step runs unfused)
+RECOMPILE_LIMIT = 64
+
+
+def fused_forward(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`decode_forward` compiled, for the active cache (its batch dimension dynamic).
+
+    Shapes:
+        ids, positions ``[B, 1]`` -> ``[B, V]``.
+    """
+    torch._dynamo.maybe_mark_dynamic(ids, 0)
+    torch._dynamo.maybe_mark_dynamic(positions, 0)
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        return compiled_forward()(model, ids, positions, {cache_keyword(model): PASS_CACHE})
+
+
+def capture_fused(make, *, fused: str, restore: list[torch.Tensor]):
+    """``(make(True), "on")`` when ``fused`` is ``"on"`` and the fused step compiles and captures;
+    otherwise ``(make(False), fused)``, after one ``RuntimeWarning`` and with ``fused`` =
+    ``"failed: <error>"`` when the fused attempt raised (``restore``, the tensors a partial
+    warm-up step may have added to, are put back first)."""
+    if fused == "on":
+        saved = [t.clone() for t in restore]
+        try:
+            return make(True), "on"
+        except Exception as exc:
+            for t, s in zip(restore, saved):
+                t.copy_(s)
+            fused = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            warnings.warn(f"fused: compiling or capturing the fused decode step failed, running it unfused ({fused[8:]})",
+                          RuntimeWarning, stacklevel=3)
+    return make(False), fused
