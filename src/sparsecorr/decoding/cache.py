@@ -159,26 +159,33 @@ class SparseKVCache(CacheBase):
             forced ``[B, L, H_kv, K']`` (device, -1 padded), due ``[B]`` (device bool) ->
             ``[B, L, H_kv, K]`` or None.
         """
-        pool = self.pool
+        pool, n = self.pool, self.num_layers
         s = int(counts.max())
-        dev = pool.k[0].device
-        b, h = pool.k[0].shape[:2]
-        valid = (torch.arange(s, device=dev) < counts.to(dev, non_blocking=True)[:, None])[:, None, :].expand(b, h, s)
-        top, budgets = int(budgets.max()), budgets.to(dev, non_blocking=True)  # once, not per layer
-        kept = []
-        for i in range(self.num_layers):
-            keys, positions = pool.k[i][:, :, :s].detach(), pool.pos[i][:, :, :s]
-            if forced is None:
-                q = keys.new_zeros(b, keys.shape[1], 0, keys.shape[-1]) if pool.win is None else \
-                    pool.win[i][:, :, :pool.window] if order is None else pool.window_in_order(i, order)
-                keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=positions,
-                                budget=budgets, query_valid=query_valid, max_budget=top)
-            else:
-                keep = forced_keep(positions, valid, forced[:, i], due, k=min(top, s))
-            if record:
-                kept.append(torch.where(keep.valid, positions.gather(-1, keep.index), -1))
-            pool.compact(i, keep.index)
-        return torch.stack(kept, 1) if record else None
+        dev = pool.pos_all.device
+        b, h = pool.pos_all.shape[1:3]
+        # every layer in one call: the layers are stacked along the batch axis ([L·B, ...],
+        # layer-major; each (row, head) is scored and kept on its own, so nothing mixes layers)
+        rows = counts.repeat(n).to(dev, non_blocking=True)
+        valid = (torch.arange(s, device=dev) < rows[:, None])[:, None, :].expand(n * b, h, s)
+        top, budgets = int(budgets.max()), budgets.repeat(n).to(dev, non_blocking=True)
+        positions = pool.pos_all[..., :s].reshape(n * b, h, s)
+        if forced is None:
+            keys = pool.keys(s)
+            keys = keys.reshape(n * b, *keys.shape[2:])
+            q = keys.new_zeros(n * b, h, 0, keys.shape[-1]) if pool.win is None else \
+                (pool.win_all[..., :pool.window, :] if order is None else pool.windows_in_order(order))
+            keep = compress(self.policy, keys=keys, queries=q.reshape(n * b, *q.shape[2:]), valid=valid,
+                            positions=positions, budget=budgets, max_budget=top,
+                            query_valid=None if query_valid is None else query_valid.repeat(n, 1))
+        else:
+            keep = forced_keep(positions, valid, forced.transpose(0, 1).reshape(n * b, *forced.shape[2:]),
+                               due.repeat(n), k=min(top, s))
+        index = keep.index.reshape(n, b, h, -1)
+        kept = None
+        if record:
+            kept = torch.where(keep.valid, positions.gather(-1, keep.index), -1).reshape(n, b, h, -1).transpose(0, 1)
+        pool.compact_all(index)
+        return kept
 
 
 def gather_mask(keep: torch.Tensor, query_slot: torch.Tensor, *, k: int, page_size: int) -> torch.Tensor:

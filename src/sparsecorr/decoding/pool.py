@@ -1,11 +1,13 @@
 r"""The preallocated, paged KV pool the engine decodes into.
 
-Per layer the pool holds K and V as ``[B, H_kv, C + page, D]`` in the model's dtype, allocated
-once per ``generate`` call: ``C`` (a multiple of the page size) is the most slots a row can hold
-under its policy and budget (the engine works it out), and the extra page is a scratch area
+The pool holds K and V of every layer stacked, ``[L, B, H_kv, C + page, D]`` in the model's dtype
+(``k_all``, ``v_all``; ``k[i]``, ``v[i]`` are per-layer views), allocated once per ``generate``
+call: ``C`` (a multiple of the page size) is the most slots a row can hold under its policy and
+budget (the engine works it out), and the extra page is a scratch area
 that padding tokens of a ragged chunk are written to. Row ``b``'s valid tokens always occupy
 slots ``[0, count_b)``; a decode step writes each row's token at its own ``count_b`` (an indexed
-write, no ``torch.cat``), and a compression event gathers the kept slots to the front. Seen as
+write, no ``torch.cat``), and a compression event gathers the kept slots of every layer to the
+front at once (`KVPool.compact_all`: one gather and one copy per stacked buffer). Seen as
 ``[B · H_kv · (C / page + 1), page, D]`` each buffer is directly a paged-KV pool for a paged
 kernel (`sparsecorr.decoding.backends.paged`).
 
@@ -18,8 +20,11 @@ once per step (`ring_slots`; a dump column ``W`` takes padding and queries older
 window), and the window is put in order (oldest first, `ring_order`) only when a compression
 reads it. Selection policies keep the running float32 **sum** of the keys of every page (the
 page summaries): each write adds its keys to their pages (one ``scatter_add_`` per layer at page
-indices built once per step), so no summary is ever recomputed from the cache. With autograd on (``grad=True``) every update is out of
-place, so earlier attention calls keep the tensors they read.
+indices built once per step), so no summary is ever recomputed from the cache. With autograd on (``grad=True``) every K/V update
+is out of place, so earlier attention calls keep the tensors they read: K and V are then separate
+per-layer tensors (``k_all``, ``v_all`` None; a compression stacks the detached keys and compacts
+layer by layer). Windows, positions and page sums are stacked in both modes (written in place,
+detached).
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ __all__ = ["KVPool", "ring_order", "ring_slots"]
 
 
 class KVPool:
-    """Per-layer K/V buffers plus positions, observation windows and page summaries.
+    """Stacked K/V buffers plus positions, observation windows and page summaries, with
+    per-layer views (``k[i]`` is ``k_all[i]``; likewise ``v``, ``pos``, ``win``, ``summ``).
 
     Shapes:
-        k[i], v[i]: ``[B, H_kv, C + page, D]``; pos[i]: ``[B, H_kv, C + page]`` long;
-        win[i]: ``[B, H_q, W + 1, D]`` (a ring: position p in column p mod W, column W a dump);
-        summ[i]: ``[B, H_kv, C / page + 1, D]`` float32 (the sum of each page's keys; the
+        k_all, v_all: ``[L, B, H_kv, C + page, D]`` (None with grad); k[i], v[i]:
+        ``[B, H_kv, C + page, D]``; pos_all ``[L, B, H_kv, C + page]`` long;
+        win_all: ``[L, B, H_q, W + 1, D]`` (a ring: position p in column p mod W, column W a dump);
+        summ_all: ``[L, B, H_kv, C / page + 1, D]`` float32 (the sum of each page's keys; the
         scratch page's entry collects padding and is never read).
     """
 
@@ -48,16 +55,30 @@ class KVPool:
         self.pages_per_row = self.capacity // page_size + 1
         self.grad = grad
         total = self.capacity + page_size
-        shape = (batch, kv_heads, total, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.pos_all = torch.zeros(layers, *shape[:3], dtype=torch.long, device=device) if positions else None
-        self.pos = list(self.pos_all.unbind(0)) if positions else None  # per-layer views
+        shape = (layers, batch, kv_heads, total, head_dim)
+        # stacked [L, ...] buffers, per-layer views; with grad the K/V writes are out of place, so
+        # each layer's K and V are separate tensors (k_all / v_all None) and a compression stacks them
+        self.k_all = None if grad else torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = None if grad else torch.zeros(shape, dtype=dtype, device=device)
+        self.k = [torch.zeros(shape[1:], dtype=dtype, device=device) for _ in range(layers)] if grad \
+            else list(self.k_all.unbind(0))
+        self.v = [torch.zeros(shape[1:], dtype=dtype, device=device) for _ in range(layers)] if grad \
+            else list(self.v_all.unbind(0))
+        self.pos_all = torch.zeros(shape[:4], dtype=torch.long, device=device) if positions else None
         self.window = window
-        self.win = [torch.zeros(batch, q_heads, window + 1, head_dim, dtype=dtype, device=device)
-                    for _ in range(layers)] if window > 0 else None
-        self.summ = [torch.zeros(batch, kv_heads, self.pages_per_row, head_dim, dtype=torch.float32,
-                                 device=device) for _ in range(layers)] if summaries else None
+        self.win_all = torch.zeros(layers, batch, q_heads, window + 1, head_dim, dtype=dtype, device=device) \
+            if window > 0 else None
+        self.summ_all = torch.zeros(layers, batch, kv_heads, self.pages_per_row, head_dim, dtype=torch.float32,
+                                    device=device) if summaries else None
+        self._views()
+
+    def _views(self) -> None:
+        """Per-layer views of the stacked buffers (after allocation or `select_rows`)."""
+        if self.k_all is not None:
+            self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
+        self.pos = None if self.pos_all is None else list(self.pos_all.unbind(0))
+        self.win = None if self.win_all is None else list(self.win_all.unbind(0))
+        self.summ = None if self.summ_all is None else list(self.summ_all.unbind(0))
 
     def allocated_bytes(self) -> int:
         """Bytes of every buffer the pool holds (K, V, positions, windows, summaries)."""
@@ -112,18 +133,8 @@ class KVPool:
         idx = slots[:, None, :, None].expand(b, hq, slots.shape[1], d)
         win.scatter_(2, idx, query.detach().to(win.dtype))
 
-    def window_in_order(self, layer: int, order: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer``'s observation window, oldest query first (``order`` from `ring_order`).
-
-        Shapes:
-            order ``[B, W]`` (device long) -> ``[B, H_q, W, D]``.
-        """
-        win = self.win[layer]
-        b, hq, _, d = win.shape
-        return win.gather(2, order[:, None, :, None].expand(b, hq, order.shape[1], d))
-
     def compact(self, layer: int, index: torch.Tensor) -> None:
-        """Move the kept slots ``index`` (``[B, H_kv, K]``, sorted by position) to the front."""
+        """Move the kept slots ``index`` (``[B, H_kv, K]``, sorted by position) of one layer to the front."""
         kk = index.shape[-1]
         idx4 = index[..., None].expand(-1, -1, -1, self.k[layer].shape[-1])
         for buf in (self.k, self.v):
@@ -135,15 +146,51 @@ class KVPool:
         if self.pos is not None:
             self.pos[layer][:, :, :kk] = self.pos[layer].gather(2, index)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows ``rows`` (device, long) in every buffer (one layer at a time, so
-        the transient extra memory is one layer's buffer)."""
-        for group in (self.k, self.v, self.win, self.summ):
-            for i, t in enumerate(group or []):
-                group[i] = t.index_select(0, rows)
+    def compact_all(self, index: torch.Tensor) -> None:
+        """Move every layer's kept slots ``index`` (``[L, B, H_kv, K]``, sorted by position) to the
+        front: one gather and one copy per stacked buffer (K, V, positions) for all layers; with
+        grad, layer by layer out of place (`compact`).
+        """
+        if self.k_all is None:
+            for i in range(len(self.k)):
+                self.compact(i, index[i])
+            return
+        kk = index.shape[-1]
+        idx5 = index[..., None].expand(*index.shape, self.k_all.shape[-1])
+        for buf in (self.k_all, self.v_all):
+            buf[:, :, :, :kk] = buf.gather(3, idx5)
         if self.pos_all is not None:
-            self.pos_all = self.pos_all.index_select(1, rows)
-            self.pos = list(self.pos_all.unbind(0))
+            self.pos_all[:, :, :, :kk] = self.pos_all.gather(3, index)
+
+    def keys(self, s: int) -> torch.Tensor:
+        """Every layer's first ``s`` key slots, detached: ``[L, B, H_kv, s, D]`` (a view of the
+        stacked keys; with grad, a stacked copy of the per-layer keys)."""
+        if self.k_all is None:
+            return torch.stack([k[:, :, :s].detach() for k in self.k])
+        return self.k_all[:, :, :, :s].detach()
+
+    def windows_in_order(self, order: torch.Tensor) -> torch.Tensor:
+        """Every layer's observation window, oldest query first (one gather for all layers).
+
+        Shapes:
+            order ``[B, W]`` (device long) -> ``[L, B, H_q, W, D]``.
+        """
+        n, b, hq, _, d = self.win_all.shape
+        return self.win_all.gather(3, order[None, :, None, :, None].expand(n, b, hq, order.shape[1], d))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (device, long) in every buffer (the stacked buffers are
+        selected whole, so the transient extra memory is the selected rows' buffers; with grad
+        the per-layer K/V one layer at a time)."""
+        for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(1, rows))
+        if self.k_all is None:
+            for group in (self.k, self.v):
+                for i, t in enumerate(group):
+                    group[i] = t.index_select(0, rows)
+        self._views()
 
 
 def ring_slots(ctx: torch.Tensor, real: torch.Tensor, q_len: int, window: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ def _push(pool, q, ctx, real):
 
 
 def _in_order(pool, ctx):
-    return pool.window_in_order(0, ring_order(ctx, pool.window))
+    return pool.windows_in_order(ring_order(ctx, pool.window))[0]
 
 
 def test_windows_keep_each_rows_last_real_queries():

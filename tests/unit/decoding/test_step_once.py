@@ -78,7 +78,7 @@ def test_ring_window_equals_the_shift_window(monkeypatch, policy, graphs):
     ids = torch.randint(3, 128, (3, 21), generator=torch.Generator().manual_seed(1))
     shift: dict = {}  # layer -> the window as it was kept before the ring (oldest first)
     checked = []
-    attend, in_order = SparseKVCache.attend, KVPool.window_in_order
+    attend, in_order = SparseKVCache.attend, KVPool.windows_in_order
 
     def shifted(self, layer, query, key, value, scaling):
         win = shift.get(layer, torch.zeros_like(self.pool.win[layer][:, :, :self.pool.window]))
@@ -88,16 +88,17 @@ def test_ring_window_equals_the_shift_window(monkeypatch, policy, graphs):
         shift[layer] = both.gather(2, idx[:, None, :, None].expand(b, hq, w, d))
         return attend(self, layer, query, key, value, scaling)
 
-    def compared(self, layer, order):
-        ring = in_order(self, layer, order)
-        assert torch.equal(ring, shift[layer]), f"layer {layer}: ring window != shifted window"
-        checked.append(layer)
+    def compared(self, order):  # every layer's window at once (the batched compression)
+        ring = in_order(self, order)
+        for layer in range(ring.shape[0]):
+            assert torch.equal(ring[layer], shift[layer]), f"layer {layer}: ring window != shifted window"
+            checked.append(layer)
         return ring
 
     events = []
     got = _decode(model, ids, policy, 8, backend=TorchBackend(), graphs=graphs, events=events)
     monkeypatch.setattr(SparseKVCache, "attend", shifted)
-    monkeypatch.setattr(KVPool, "window_in_order", compared)
+    monkeypatch.setattr(KVPool, "windows_in_order", compared)
     ref = _decode(model, ids, policy, 8, backend=TorchBackend(), graphs=graphs, events=[])
     assert len(checked) >= 6 and len(events) >= 3  # compressions in prefill and in decode, every layer
     _same(got, ref)
