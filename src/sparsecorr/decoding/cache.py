@@ -26,9 +26,10 @@ from .policies import (
     KVPolicy,
     SelectionPlan,
     compress,
-    keep_counts,
     pages_to_mask,
+    rank_pages,
     select_pages,
+    selection_plan,
 )
 from .pool import KVPool
 
@@ -78,11 +79,26 @@ class SparseKVCache(CacheBase):
 
     # -- the cache protocol of hf.CacheBase ---------------------------------------------------
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        st = self.step
-        if layer_idx == 0 and self.pool.pos is not None:  # every layer's positions, once per step
-            self.pool.write_positions(st.slots, st.positions)
-        self.pool.write(layer_idx, key, value, st.slots, st.pages)
+        st, pool = self.step, self.pool
+        if layer_idx == 0 and pool.pos is not None:  # every layer's positions, once per step
+            pool.write_positions(st.slots, st.positions)
+        per_layer = st.pages is not None and self._page_sums_per_layer(st)
+        pool.write(layer_idx, key, value, st.slots, st.pages if per_layer else None)
+        if st.pages is not None and not per_layer and layer_idx == self.num_layers - 1:
+            pool.add_page_sums(st.slots, st.pages)  # every layer's new keys, once per step
         return self.pool.k[layer_idx][:, :, :st.kv_len], self.pool.v[layer_idx][:, :, :st.kv_len]
+
+    def _page_sums_per_layer(self, st: Step) -> bool:
+        """Whether this forward adds its keys to the page sums layer by layer (with each K write)
+        instead of once for every layer after the last layer's write (`KVPool.add_page_sums`).
+
+        Deferring is exact where no layer reads a page sum its own write changed: a prefill
+        forward reads none (it attends densely), and a single-token step's write goes to the
+        query's own page, which is always kept (``keep_last_pages >= 1``: its bias outranks
+        every score, so its stale sum changes no selection). A multi-token selecting forward (a
+        teacher-forced chunk) can complete a page that a later query of the chunk scores, and
+        the per-layer K/V tensors of autograd (``grad``) have no stacked view: both per layer."""
+        return (st.select and st.q_len > 1) or self.pool.k_all is None
 
     def seq_length(self) -> int:
         return 0 if self.step is None else self.step.kv_len
@@ -119,26 +135,29 @@ class SparseKVCache(CacheBase):
     def _attend_selected(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
         st, pool = self.step, self.pool
         ps = pool.page_size
-        pages, ok = select_pages(self.policy, summaries=pool.summ[layer], query=query,
-                                 slots=st.query_slots, budgets=st.budgets, k=st.keep_max, plan=st.plan)
-        if st.paged:
-            return self.backend.decode(query, pool.k[layer], pool.v[layer], selected=(pages[:, :, 0], ok[:, :, 0]))
-        if st.q_len > 1:  # a teacher-forced chunk: one page mask per query
+        if st.paged or st.q_len > 1:
+            pages, ok = select_pages(self.policy, summaries=pool.summ[layer], query=query,
+                                     slots=st.query_slots, budgets=st.budgets, k=st.keep_max, plan=st.plan)
+            if st.paged:
+                return self.backend.decode(query, pool.k[layer], pool.v[layer],
+                                           selected=(pages[:, :, 0], ok[:, :, 0]))
+            # a teacher-forced chunk: one page mask per query
             sel = pages_to_mask(pages, ok, page_size=ps, slots=st.kv_len)
             return self.backend.attend(query, key, value, sel & st.mask, scaling=scaling)
-        # one token: gather the selected pages (O(budget) attention instead of O(S))
-        b, h = pages.shape[:2]
+        # one token: gather the selected pages (O(budget) attention instead of O(S)), the
+        # query's own page first (`rank_pages`), so the slot mask is the step's, not the layer's
+        b, h = pool.summ_all.shape[1:3]
         if st.gather is None:  # the step's part: the same for every sparse layer
-            keep = st.plan.keep if st.plan is not None else \
-                keep_counts(self.policy, slots=st.query_slots, budgets=st.budgets)
-            offsets = torch.arange(ps, device=pages.device)
-            allowed = gather_mask(keep[:, :1], st.query_slots[:, :1], k=pages.shape[-1], page_size=ps)
-            st.gather = (offsets, allowed, allowed[:, :, None, :])
-        offsets, allowed, mask = st.gather
-        slot = torch.add(offsets, pages[:, :, 0, :, None], alpha=ps).reshape(b, h, -1)
-        slot = torch.where(allowed, slot, 0)
-        d = pool.k[layer].shape[-1]
-        idx = slot[..., None].expand(-1, -1, -1, d)
+            plan = st.plan if st.plan is not None else selection_plan(
+                self.policy, slots=st.query_slots, budgets=st.budgets, k=st.keep_max, n_pages=pool.pages_per_row)
+            offsets = torch.arange(ps, device=query.device)
+            allowed = gather_mask(plan.keep[:, :1], st.query_slots[:, :1], k=plan.k, page_size=ps)
+            bias = plan.bias.expand(b, h, 1, plan.n_pages).reshape(b * h, 1, plan.n_pages)
+            st.gather = (offsets, allowed[:, :, None, :], bias, plan.k)
+        offsets, mask, bias, k = st.gather
+        top = rank_pages(summaries=pool.summ[layer], query=query, bias=bias, k=k)  # [B, H, 1, k]
+        slot = torch.add(offsets, top[..., None], alpha=ps).reshape(b, h, -1)  # in range: pages < P
+        idx = slot[..., None].expand(-1, -1, -1, pool.k[layer].shape[-1])
         k_sel, v_sel = pool.k[layer].gather(2, idx), pool.v[layer].gather(2, idx)
         return self.backend.attend(query, k_sel, v_sel, self._step_mask(mask, query.dtype), scaling=scaling)
 
@@ -190,18 +209,18 @@ class SparseKVCache(CacheBase):
 
 def gather_mask(keep: torch.Tensor, query_slot: torch.Tensor, *, k: int, page_size: int) -> torch.Tensor:
     r"""Which of a single-token step's ``k · page_size`` gathered slots the query reads, the same
-    in every sparse layer: entry \(i\) of a row's ascending page list holds a kept page while
-    \(i < \mathrm{keep}\), and the last kept page is the query's own (always kept, and the latest),
-    so slot \(j\) of entry \(i\) is read iff \(i < \mathrm{keep} - 1\), or \(i = \mathrm{keep} - 1\)
-    and \(j \le s \bmod p\) (the query's slot \(s\)).
+    in every sparse layer: entry \(i\) of a row's page list from
+    [`rank_pages`][sparsecorr.decoding.policies.block_topk.rank_pages] holds a kept page while
+    \(i < \mathrm{keep}\), and entry 0 is the query's own page (ranked first), so slot \(j\)
+    of entry \(i\) is read iff \(0 < i < \mathrm{keep}\), or \(i = 0\) and
+    \(j \le s \bmod p\) (the query's slot \(s\)).
 
     Shapes:
         keep, query_slot ``[B, 1]`` -> ``[B, 1, k · page_size]`` bool.
     """
     n = torch.arange(k * page_size, device=keep.device)
     entry, j = n // page_size, n % page_size
-    last = keep - 1
-    return ((entry < last) | ((entry == last) & (j <= query_slot % page_size)))[:, None, :]
+    return (((entry > 0) & (entry < keep)) | ((entry == 0) & (j <= query_slot % page_size)))[:, None, :]
 
 
 def forced_keep(positions: torch.Tensor, valid: torch.Tensor, want: torch.Tensor, due: torch.Tensor, *,

@@ -110,6 +110,20 @@ class KVPool:
         if self.summ is not None and pages is not None:
             self.summ[layer].scatter_add_(2, pages[:, None, :, None].expand(b, h, q, d), key.detach().float())
 
+    def add_page_sums(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        """Add a forward's keys of every layer (already written at ``slots``) to the running
+        float32 sums of their ``pages``: a gather, a cast and one ``scatter_add_`` for all layers,
+        once per step (instead of a cast and a scatter per layer in `write`; needs the stacked
+        keys, so not with grad).
+
+        Shapes:
+            slots, pages ``[B, Q]`` (device, long).
+        """
+        n, b, h, _, d = self.k_all.shape
+        shape = (n, b, h, slots.shape[1], d)
+        new = self.k_all.gather(3, slots[None, :, None, :, None].expand(shape))
+        self.summ_all.scatter_add_(3, pages[None, :, None, :, None].expand(shape), new.float())
+
     def write_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Write a chunk's true positions at per-row ``slots`` in every layer at once (one scatter
         per step; every layer writes a step's tokens at the same slots).
