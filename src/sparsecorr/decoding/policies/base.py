@@ -120,7 +120,7 @@ def window_votes(logits: torch.Tensor, valid: torch.Tensor, query_valid: torch.T
 
     \(\mathrm{imp}_j = \frac{1}{G}\sum_{g}\sum_{w} m_w\,\mathrm{softmax}_j(s\,q_{gw}\cdot k_j)\) over
     the valid keys (\(m_w\): ``query_valid``). Invalid keys get the float32 minimum as their bias
-    (``log valid`` clamped, instead of \(-\infty\): a row without a valid key gives no NaN) and
+    (instead of \(-\infty\): a row without a valid key gives no NaN) and
     receive exactly 0 probability in any row with a valid key. The sum over the window and the group is one GEMV of the
     probabilities with the weights \(m_w / G\).
 
@@ -129,7 +129,7 @@ def window_votes(logits: torch.Tensor, valid: torch.Tensor, query_valid: torch.T
         query_valid ``[B, W]`` or None -> ``[B, H_kv, S]`` float32.
     """
     b, h, gw, s = logits.shape
-    bias = torch.log(valid).clamp_(min=torch.finfo(torch.float32).min)[:, :, None, :]
+    bias = torch.where(valid, 0.0, torch.finfo(torch.float32).min)[:, :, None, :]  # float32 (one op)
     probs = torch.add(bias, logits, alpha=scale).softmax(dim=-1)
     if query_valid is None:
         wts = torch.full((1, 1, 1, gw), 1.0 / group, device=logits.device)

@@ -22,21 +22,37 @@ from .snapkv import check_window_policy, pool_scores
 __all__ = ["RKV", "key_redundancy", "rkv_parts"]
 
 
+def _valid_range(x: torch.Tensor, valid: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of ``x`` over the valid slots of each row (``first``: a valid slot's index, or
+    any slot in a row without one): the invalid entries are replaced by a valid one (which
+    changes neither) and one ``aminmax`` reads the row, so no ``±inf`` fill per bound.
+
+    Shapes:
+        x, valid ``[B, H, S]``; first ``[B, H, 1]`` long -> two ``[B, H, 1]``.
+    """
+    lo, hi = torch.where(valid, x, x.gather(-1, first)).aminmax(dim=-1, keepdim=True)
+    return lo, hi
+
+
 def mix_minmax(imp: torch.Tensor, red: torch.Tensor, valid: torch.Tensor, *, mix: float) -> torch.Tensor:
     r"""\(\mathrm{mix}\cdot\hat{\mathrm{imp}} - (1-\mathrm{mix})\cdot\hat{\mathrm{red}}\), each term
     min-max normalised over the valid slots of its (sequence, head): \(\hat x = (x - \min x) /
-    \max(\max x - \min x, 10^{-12})\); 0 at invalid slots. Both terms are normalised together
-    (stacked), and the mix is one ``lerp``: \(-\hat r + \mathrm{mix}\,(\hat i + \hat r)\).
+    \max(\max x - \min x, 10^{-12})\); 0 at invalid slots. Computed as
+    \((i - \min i)\,a_i + (r - \min r)\,a_r\) with the per-row factors
+    \(a_i = \mathrm{mix} / \mathrm{range}_i\), \(a_r = -(1 - \mathrm{mix}) / \mathrm{range}_r\):
+    four ``[B, H, S]`` ops after the two masked ranges (`_valid_range`), the same values to
+    float rounding.
 
     Shapes:
         imp, red, valid ``[B, H, S]`` -> ``[B, H, S]`` float32.
     """
-    x = torch.stack([imp, red])  # [2, B, H, S]
-    invalid = ~valid
-    hi = x.masked_fill(invalid, -torch.inf).amax(-1, keepdim=True)
-    lo = x.masked_fill(invalid, torch.inf).amin(-1, keepdim=True)
-    z = (x - lo) / (hi - lo).clamp(min=1e-12)
-    return torch.lerp(-z[1], z[0], mix).masked_fill(invalid, 0.0)
+    first = valid.to(torch.uint8).argmax(-1, keepdim=True)  # a valid slot of each row (0 if none)
+    lo_i, hi_i = _valid_range(imp, valid, first)
+    lo_r, hi_r = _valid_range(red, valid, first)
+    a_i = mix / (hi_i - lo_i).clamp(min=1e-12)
+    a_r = -(1.0 - mix) / (hi_r - lo_r).clamp(min=1e-12)
+    score = torch.addcmul((imp - lo_i) * a_i, red - lo_r, a_r)
+    return score.masked_fill_(~valid, 0.0)
 
 
 _EPS = 1e-12  # F.normalize's floor on a key's norm (a zero key has unit key 0)
