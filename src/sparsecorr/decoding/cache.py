@@ -76,6 +76,8 @@ class SparseKVCache(CacheBase):
         super().__init__(len(pool.k))
         self.pool, self.policy, self.backend = pool, policy, backend
         self.step: Step | None = None
+        if policy.key_norms:  # the compression reads the keys' norms from the pool
+            pool.track_norms()
 
     # -- the cache protocol of hf.CacheBase ---------------------------------------------------
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +86,11 @@ class SparseKVCache(CacheBase):
             pool.write_positions(st.slots, st.positions)
         per_layer = st.pages is not None and self._page_sums_per_layer(st)
         pool.write(layer_idx, key, value, st.slots, st.pages if per_layer else None)
-        if st.pages is not None and not per_layer and layer_idx == self.num_layers - 1:
-            pool.add_page_sums(st.slots, st.pages)  # every layer's new keys, once per step
+        if layer_idx == self.num_layers - 1:  # every layer's new keys, once per step
+            if st.pages is not None and not per_layer:
+                pool.add_page_sums(st.slots, st.pages)
+            if pool.norms_all is not None:
+                pool.add_key_norms(st.slots)
         return self.pool.k[layer_idx][:, :, :st.kv_len], self.pool.v[layer_idx][:, :, :st.kv_len]
 
     def _page_sums_per_layer(self, st: Step) -> bool:
@@ -195,7 +200,8 @@ class SparseKVCache(CacheBase):
                 (pool.win_all[..., :pool.window, :] if order is None else pool.windows_in_order(order))
             keep = compress(self.policy, keys=keys, queries=q.reshape(n * b, *q.shape[2:]), valid=valid,
                             positions=positions, budget=budgets, max_budget=top,
-                            query_valid=None if query_valid is None else query_valid.repeat(n, 1))
+                            query_valid=None if query_valid is None else query_valid.repeat(n, 1),
+                            key_norms=None if pool.norms_all is None else pool.norms_all[..., :s].reshape(n * b, h, s))
         else:
             keep = forced_keep(positions, valid, forced.transpose(0, 1).reshape(n * b, *forced.shape[2:]),
                                due.repeat(n), k=min(top, s))

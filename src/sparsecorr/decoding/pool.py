@@ -70,7 +70,15 @@ class KVPool:
             if window > 0 else None
         self.summ_all = torch.zeros(layers, batch, kv_heads, self.pages_per_row, head_dim, dtype=torch.float32,
                                     device=device) if summaries else None
+        self.norms_all = None  # [L, B, H_kv, C + page] float32 key norms, once `track_norms` is called
         self._views()
+
+    def track_norms(self) -> None:
+        """Keep every written key's norm (float32 accumulation) in ``norms_all``, updated once
+        per step for every layer (`add_key_norms`) and compacted with the keys, so a compression
+        that needs them (R-KV's redundancy) does not re-read the keys for them. Not with grad."""
+        if self.k_all is not None and self.norms_all is None:
+            self.norms_all = torch.zeros(self.k_all.shape[:4], dtype=torch.float32, device=self.k_all.device)
 
     def _views(self) -> None:
         """Per-layer views of the stacked buffers (after allocation or `select_rows`)."""
@@ -82,7 +90,8 @@ class KVPool:
 
     def allocated_bytes(self) -> int:
         """Bytes of every buffer the pool holds (K, V, positions, windows, summaries)."""
-        groups = [self.k, self.v, self.pos or [], self.win or [], self.summ or []]
+        groups = [self.k, self.v, self.pos or [], self.win or [], self.summ or [],
+                  [] if self.norms_all is None else [self.norms_all]]
         return sum(t.numel() * t.element_size() for g in groups for t in g)
 
     def slot_bytes(self) -> int:
@@ -110,6 +119,12 @@ class KVPool:
         if self.summ is not None and pages is not None:
             self.summ[layer].scatter_add_(2, pages[:, None, :, None].expand(b, h, q, d), key.detach().float())
 
+    def _new_keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Every layer's keys at ``slots`` (``[B, Q]``), one gather: ``[L, B, H_kv, Q, D]``."""
+        n, b, h, _, d = self.k_all.shape
+        shape = (n, b, h, slots.shape[1], d)
+        return self.k_all.gather(3, slots[None, :, None, :, None].expand(shape)), shape
+
     def add_page_sums(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
         """Add a forward's keys of every layer (already written at ``slots``) to the running
         float32 sums of their ``pages``: a gather, a cast and one ``scatter_add_`` for all layers,
@@ -119,10 +134,20 @@ class KVPool:
         Shapes:
             slots, pages ``[B, Q]`` (device, long).
         """
-        n, b, h, _, d = self.k_all.shape
-        shape = (n, b, h, slots.shape[1], d)
-        new = self.k_all.gather(3, slots[None, :, None, :, None].expand(shape))
+        new, shape = self._new_keys(slots)
         self.summ_all.scatter_add_(3, pages[None, :, None, :, None].expand(shape), new.float())
+
+    def add_key_norms(self, slots: torch.Tensor) -> None:
+        """Store the norms of a forward's keys of every layer (already written at ``slots``):
+        a gather, one ``vector_norm`` (float32 accumulation) and one scatter for all layers,
+        once per step (`track_norms`).
+
+        Shapes:
+            slots ``[B, Q]`` (device, long).
+        """
+        new, shape = self._new_keys(slots)
+        norms = torch.linalg.vector_norm(new, dim=-1, dtype=torch.float32)
+        self.norms_all.scatter_(3, slots[None, :, None, :].expand(shape[:4]), norms)
 
     def write_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Write a chunk's true positions at per-row ``slots`` in every layer at once (one scatter
@@ -162,7 +187,7 @@ class KVPool:
 
     def compact_all(self, index: torch.Tensor) -> None:
         """Move every layer's kept slots ``index`` (``[L, B, H_kv, K]``, sorted by position) to the
-        front: one gather and one copy per stacked buffer (K, V, positions) for all layers; with
+        front: one gather and one copy per stacked buffer (K, V, positions, key norms) for all layers; with
         grad, layer by layer out of place (`compact`).
         """
         if self.k_all is None:
@@ -173,8 +198,9 @@ class KVPool:
         idx5 = index[..., None].expand(*index.shape, self.k_all.shape[-1])
         for buf in (self.k_all, self.v_all):
             buf[:, :, :, :kk] = buf.gather(3, idx5)
-        if self.pos_all is not None:
-            self.pos_all[:, :, :, :kk] = self.pos_all.gather(3, index)
+        for buf in (self.pos_all, self.norms_all):
+            if buf is not None:
+                buf[:, :, :, :kk] = buf.gather(3, index)
 
     def keys(self, s: int) -> torch.Tensor:
         """Every layer's first ``s`` key slots, detached: ``[L, B, H_kv, s, D]`` (a view of the
@@ -196,7 +222,7 @@ class KVPool:
         """Keep only batch rows ``rows`` (device, long) in every buffer (the stacked buffers are
         selected whole, so the transient extra memory is the selected rows' buffers; with grad
         the per-layer K/V one layer at a time)."""
-        for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all"):
+        for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all", "norms_all"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(1, rows))

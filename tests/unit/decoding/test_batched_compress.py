@@ -2,7 +2,8 @@
 ``[L, B, ...]`` buffers seen as ``[L·B, ...]``): each layer's kept set, recorded positions and
 compacted K/V/positions equal those of the per-layer call (`policies.compress` on that layer's
 slice, then `KVPool.compact`) on the same inputs: ragged counts, per-row budgets, windows not
-yet full, forced (replayed) kept sets, with and without autograd."""
+yet full, forced (replayed) kept sets, with and without autograd; R-KV reads the key norms the
+pool keeps (`KVPool.add_key_norms`) where the per-layer call computes them from the keys."""
 
 import pytest
 import torch
@@ -31,6 +32,9 @@ def _filled(policy, *, grad: bool, seed: int = 0) -> tuple[KVPool, torch.Tensor]
         # increasing positions with gaps that differ per layer, row and head (earlier evictions)
         steps = torch.randint(1, 4, pool.pos[i].shape, generator=g)
         pool.pos[i].copy_(steps.cumsum(-1))
+    if policy.key_norms and not grad:  # R-KV reads the norms the pool keeps as keys are written
+        pool.track_norms()
+        pool.add_key_norms(torch.arange(pool.k[0].shape[2]).expand(B, -1))
     return pool, counts
 
 
