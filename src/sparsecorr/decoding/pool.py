@@ -19,8 +19,11 @@ column \(p \bmod W\), so a step writes each layer's queries with one scatter at 
 once per step (`ring_slots`; a dump column ``W`` takes padding and queries older than the
 window), and the window is put in order (oldest first, `ring_order`) only when a compression
 reads it. Selection policies keep the running float32 **sum** of the keys of every page (the
-page summaries): each write adds its keys to their pages (one ``scatter_add_`` per layer at page
-indices built once per step), so no summary is ever recomputed from the cache. With autograd on (``grad=True``) every K/V update
+page summaries): every layer's new keys are added to their pages once per step, after the last
+layer's write (`KVPool.add_page_sums`: one gather, one cast, one ``scatter_add_`` at page indices
+built once per step; per layer in `KVPool.write` where the cache asks for it), so no summary is
+ever recomputed from the cache. R-KV's compressions read every key's norm, which the pool keeps
+the same way (`KVPool.track_norms`, `KVPool.add_key_norms`). With autograd on (``grad=True``) every K/V update
 is out of place, so earlier attention calls keep the tensors they read: K and V are then separate
 per-layer tensors (``k_all``, ``v_all`` None; a compression stacks the detached keys and compacts
 layer by layer). Windows, positions and page sums are stacked in both modes (written in place,
