@@ -76,7 +76,7 @@ class SparseKVCache(CacheBase):
         super().__init__(len(pool.k))
         self.pool, self.policy, self.backend = pool, policy, backend
         self.step: Step | None = None
-        if policy.key_norms:  # the compression reads the keys' norms from the pool
+        if getattr(policy, "key_norms", False):  # the compression reads the keys' norms from the pool
             pool.track_norms()
 
     # -- the cache protocol of hf.CacheBase ---------------------------------------------------

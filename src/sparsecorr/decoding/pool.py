@@ -222,18 +222,39 @@ class KVPool:
         return self.win_all.gather(3, order[None, :, None, :, None].expand(n, b, hq, order.shape[1], d))
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows ``rows`` (device, long) in every buffer (the stacked buffers are
-        selected whole, so the transient extra memory is the selected rows' buffers; with grad
-        the per-layer K/V one layer at a time)."""
+        """Keep only batch rows ``rows`` (device, long) in every buffer. A stacked buffer is
+        rewritten in its own storage, one layer at a time (`_take_rows`), so the transient extra
+        memory is one layer's selected rows, as with per-layer buffers; with grad the per-layer
+        K/V are selected one layer at a time."""
         for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all", "norms_all"):
             t = getattr(self, name)
             if t is not None:
-                setattr(self, name, t.index_select(1, rows))
+                setattr(self, name, _take_rows(t, rows))
         if self.k_all is None:
             for group in (self.k, self.v):
                 for i, t in enumerate(group):
                     group[i] = t.index_select(0, rows)
         self._views()
+
+
+def _take_rows(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of every layer of a contiguous stacked buffer, as a contiguous ``[L, n, ...]``
+    view of the front of its own storage: layer ``i``'s selected rows (one ``index_select``, a
+    temporary of one layer) are written at ``[i·n, (i+1)·n)`` rows, which only overlaps layers
+    already read (``n <= B``). With more rows than the buffer has (repeated rows), a new tensor.
+
+    Shapes:
+        buf ``[L, B, ...]``; rows ``[n]`` (device long) -> ``[L, n, ...]``.
+    """
+    n_layers, b, n = buf.shape[0], buf.shape[1], rows.shape[0]
+    if n > b or not buf.is_contiguous():
+        return buf.index_select(1, rows)
+    per = buf[0].numel() // b if b else 0
+    flat = buf.view(-1)
+    for i in range(n_layers):
+        kept = buf[i].index_select(0, rows)
+        flat[i * n * per:(i + 1) * n * per].view(kept.shape).copy_(kept)
+    return flat[:n_layers * n * per].view(n_layers, n, *buf.shape[2:])
 
 
 def ring_slots(ctx: torch.Tensor, real: torch.Tensor, q_len: int, window: int) -> torch.Tensor:

@@ -147,3 +147,31 @@ def test_key_norms_follow_writes_compaction_and_row_selection():
     count = count[:2]
     check()
     assert pool.norms_all.shape[1] == 2
+
+
+def test_select_rows_rewrites_the_stacked_buffers_in_place():
+    """Row selection of the stacked buffers keeps every layer's selected rows (in the given
+    order), in the buffers' own storage (no second pool), with contiguous [L, n, ...] results."""
+    g = torch.Generator().manual_seed(1)
+    pool = _pool()
+    pool.track_norms()
+    for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all", "norms_all"):
+        t = getattr(pool, name)
+        t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype))
+    before = {name: getattr(pool, name).clone() for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all",
+                                                              "norms_all")}
+    ptr = pool.k_all.data_ptr()
+    pool.select_rows(torch.tensor([1]))
+    for name, old in before.items():
+        got = getattr(pool, name)
+        assert got.is_contiguous() and torch.equal(got, old[:, [1]]), name
+    assert pool.k_all.data_ptr() == ptr and torch.equal(pool.k[1], before["k_all"][1, [1]])
+    big = KVPool(layers=3, batch=4, kv_heads=2, q_heads=4, head_dim=3, capacity=8, page_size=4,
+                 dtype=torch.float32, device=torch.device("cpu"), positions=True, window=0,
+                 summaries=False, grad=False)
+    big.k_all.copy_(torch.randn(big.k_all.shape, generator=g))
+    old = big.k_all.clone()
+    for rows in (torch.tensor([0, 2, 3]), torch.tensor([2, 0])):  # ascending, then reordered
+        big.select_rows(rows)
+        old = old[:, rows]
+        assert torch.equal(big.k_all, old) and torch.equal(big.k[2], old[2])
