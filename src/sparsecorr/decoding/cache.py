@@ -196,9 +196,12 @@ class SparseKVCache(CacheBase):
         if forced is None:
             keys = pool.keys(s)
             keys = keys.reshape(n * b, *keys.shape[2:])
-            q = keys.new_zeros(n * b, h, 0, keys.shape[-1]) if pool.win is None else \
-                (pool.win_all[..., :pool.window, :] if order is None else pool.windows_in_order(order))
-            keep = compress(self.policy, keys=keys, queries=q.reshape(n * b, *q.shape[2:]), valid=valid,
+            if pool.win is None:
+                q = keys.new_zeros(n * b, h, 0, keys.shape[-1])
+            else:
+                q = pool.win_all[..., :pool.window, :] if order is None else pool.windows_in_order(order)
+                q = q.reshape(n * b, *q.shape[2:])
+            keep = compress(self.policy, keys=keys, queries=q, valid=valid,
                             positions=positions, budget=budgets, max_budget=top,
                             query_valid=None if query_valid is None else query_valid.repeat(n, 1),
                             key_norms=None if pool.norms_all is None else pool.norms_all[..., :s].reshape(n * b, h, s))
