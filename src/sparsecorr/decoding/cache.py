@@ -186,33 +186,45 @@ class SparseKVCache(CacheBase):
         pool, n = self.pool, self.num_layers
         s = int(counts.max())
         dev = pool.pos_all.device
+        top, budgets = int(budgets.max()), budgets.to(dev, non_blocking=True)  # once, not per layer
+        counts = counts.to(dev, non_blocking=True)
+        # every layer in one call (the stacked pool); with grad (per-layer K/V tensors) one layer
+        # at a time, so the keys are never copied into a stack
+        group = n if pool.k_all is not None else 1
+        kept = [self._compress_layers(range(lo, min(lo + group, n)), s=s, top=top, budgets=budgets, counts=counts,
+                                      query_valid=query_valid, forced=forced, due=due, record=record, order=order)
+                for lo in range(0, n, group)]
+        return torch.cat(kept, 1) if record else None
+
+    def _compress_layers(self, layers: range, *, s: int, top: int, budgets, counts, query_valid, forced, due,
+                         record: bool, order) -> torch.Tensor | None:
+        """Score, keep and compact ``layers`` in one `compress` call: the layers are stacked along
+        the batch axis (``[n·B, ...]``, layer-major; each (row, head) is scored and kept on its
+        own, so nothing mixes layers). Returns the kept positions ``[B, n, H_kv, K]`` if
+        ``record``."""
+        pool, n, lo, hi = self.pool, len(layers), layers.start, layers.stop
         b, h = pool.pos_all.shape[1:3]
-        # every layer in one call: the layers are stacked along the batch axis ([L·B, ...],
-        # layer-major; each (row, head) is scored and kept on its own, so nothing mixes layers)
-        rows = counts.repeat(n).to(dev, non_blocking=True)
-        valid = (torch.arange(s, device=dev) < rows[:, None])[:, None, :].expand(n * b, h, s)
-        top, budgets = int(budgets.max()), budgets.repeat(n).to(dev, non_blocking=True)
-        positions = pool.pos_all[..., :s].reshape(n * b, h, s)
+        valid = (torch.arange(s, device=counts.device) < counts.repeat(n)[:, None])[:, None, :].expand(n * b, h, s)
+        positions = pool.pos_all[lo:hi, ..., :s].reshape(n * b, h, s)
         if forced is None:
-            keys = pool.keys(s)
+            keys = pool.keys(s, lo, hi)
             keys = keys.reshape(n * b, *keys.shape[2:])
             if pool.win is None:
                 q = keys.new_zeros(n * b, h, 0, keys.shape[-1])
             else:
-                q = pool.win_all[..., :pool.window, :] if order is None else pool.windows_in_order(order)
+                q = pool.win_all[lo:hi, ..., :pool.window, :] if order is None else pool.windows_in_order(order, lo, hi)
                 q = q.reshape(n * b, *q.shape[2:])
-            keep = compress(self.policy, keys=keys, queries=q, valid=valid,
-                            positions=positions, budget=budgets, max_budget=top,
-                            query_valid=None if query_valid is None else query_valid.repeat(n, 1),
-                            key_norms=None if pool.norms_all is None else pool.norms_all[..., :s].reshape(n * b, h, s))
+            norms = None if pool.norms_all is None else pool.norms_all[lo:hi, ..., :s].reshape(n * b, h, s)
+            keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=positions,
+                            budget=budgets.repeat(n), max_budget=top, key_norms=norms,
+                            query_valid=None if query_valid is None else query_valid.repeat(n, 1))
         else:
-            keep = forced_keep(positions, valid, forced.transpose(0, 1).reshape(n * b, *forced.shape[2:]),
-                               due.repeat(n), k=min(top, s))
-        index = keep.index.reshape(n, b, h, -1)
+            want = forced[:, lo:hi].transpose(0, 1).reshape(n * b, *forced.shape[2:])
+            keep = forced_keep(positions, valid, want, due.repeat(n), k=min(top, s))
         kept = None
         if record:
             kept = torch.where(keep.valid, positions.gather(-1, keep.index), -1).reshape(n, b, h, -1).transpose(0, 1)
-        pool.compact_all(index)
+        pool.compact_all(keep.index.reshape(n, b, h, -1), lo)
         return kept
 
 

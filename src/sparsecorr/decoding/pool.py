@@ -188,38 +188,43 @@ class KVPool:
         if self.pos is not None:
             self.pos[layer][:, :, :kk] = self.pos[layer].gather(2, index)
 
-    def compact_all(self, index: torch.Tensor) -> None:
-        """Move every layer's kept slots ``index`` (``[L, B, H_kv, K]``, sorted by position) to the
-        front: one gather and one copy per stacked buffer (K, V, positions, key norms) for all layers; with
-        grad, layer by layer out of place (`compact`).
+    def compact_all(self, index: torch.Tensor, first: int = 0) -> None:
+        """Move the kept slots ``index`` (``[n, B, H_kv, K]``, sorted by position) of layers
+        ``first .. first + n - 1`` to the front: one gather and one copy per stacked buffer (K, V,
+        positions, key norms) for all of them; with grad, layer by layer out of place (`compact`).
         """
+        n = index.shape[0]
         if self.k_all is None:
-            for i in range(len(self.k)):
-                self.compact(i, index[i])
+            for i in range(n):
+                self.compact(first + i, index[i])
             return
-        kk = index.shape[-1]
+        kk, layers = index.shape[-1], slice(first, first + n)
         idx5 = index[..., None].expand(*index.shape, self.k_all.shape[-1])
-        for buf in (self.k_all, self.v_all):
+        for buf in (self.k_all[layers], self.v_all[layers]):
             buf[:, :, :, :kk] = buf.gather(3, idx5)
         for buf in (self.pos_all, self.norms_all):
             if buf is not None:
-                buf[:, :, :, :kk] = buf.gather(3, index)
+                buf[layers, :, :, :kk] = buf[layers].gather(3, index)
 
-    def keys(self, s: int) -> torch.Tensor:
-        """Every layer's first ``s`` key slots, detached: ``[L, B, H_kv, s, D]`` (a view of the
-        stacked keys; with grad, a stacked copy of the per-layer keys)."""
+    def keys(self, s: int, first: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Layers ``first .. stop - 1``'s first ``s`` key slots, detached: ``[n, B, H_kv, s, D]``
+        (a view of the stacked keys; with grad, of one layer's keys, or a stacked copy of several)."""
+        stop = len(self.k) if stop is None else stop
         if self.k_all is None:
-            return torch.stack([k[:, :, :s].detach() for k in self.k])
-        return self.k_all[:, :, :, :s].detach()
+            if stop - first == 1:
+                return self.k[first][None, :, :, :s].detach()
+            return torch.stack([k[:, :, :s].detach() for k in self.k[first:stop]])
+        return self.k_all[first:stop, :, :, :s].detach()
 
-    def windows_in_order(self, order: torch.Tensor) -> torch.Tensor:
-        """Every layer's observation window, oldest query first (one gather for all layers).
+    def windows_in_order(self, order: torch.Tensor, first: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Layers ``first .. stop - 1``'s observation windows, oldest query first (one gather).
 
         Shapes:
-            order ``[B, W]`` (device long) -> ``[L, B, H_q, W, D]``.
+            order ``[B, W]`` (device long) -> ``[n, B, H_q, W, D]``.
         """
-        n, b, hq, _, d = self.win_all.shape
-        return self.win_all.gather(3, order[None, :, None, :, None].expand(n, b, hq, order.shape[1], d))
+        win = self.win_all[first:stop]
+        n, b, hq, _, d = win.shape
+        return win.gather(3, order[None, :, None, :, None].expand(n, b, hq, order.shape[1], d))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (device, long) in every buffer. A stacked buffer is

@@ -75,6 +75,10 @@ def test_batched_event_equals_the_per_layer_calls(policy, grad):
     for i in range(L):
         assert torch.equal(pool.k[i], ref_pool.k[i]) and torch.equal(pool.v[i], ref_pool.v[i])
         assert torch.equal(pool.pos[i], ref_pool.pos[i])
+    # the scored keys are views of the pool: of the stacked keys, or with grad of one layer's keys
+    # (the event then runs layer by layer, so no stacked copy of every layer's keys is made)
+    assert pool.keys(5, 1, 2).data_ptr() == pool.k[1].data_ptr()
+    assert (pool.k_all is None) == grad
 
 
 def test_batched_replay_equals_the_per_layer_replay():
