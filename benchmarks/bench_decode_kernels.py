@@ -14,13 +14,15 @@ so this benchmark counts, on the CPU, the kernel-launching aten ops one step dis
   the rest is the once-per-step part. Rows of equal length (no mask in a step) and ragged rows
   (a mask in every step: the torch backend's masked single-token attention) are both counted
   (``--smoke``: equal rows only).
-- **one compression event of one layer** (``policies.compress``: scoring and the kept set) at a
-  realistic shape (B=8, H_kv=8, H_q=16, S=2177, D=128, W=8, bf16 keys; ``--smoke``: a small one):
-  ops and bytes moved (the sum over ops of input + output tensor bytes, each tensor counted at
-  most at its storage size). It runs twice: on this CPU and on the ``meta`` device, which
-  dispatches the op sequence CUDA runs (mixed-precision GEMMs ``bf16 x bf16 -> fp32`` exist
+- **one compression event** at a realistic shape per layer (B=8, H_kv=8, H_q=16, S=2177, D=128,
+  W=8, bf16 keys; ``--smoke``: a small one): ops and bytes moved (the sum over ops of input +
+  output tensor bytes, each tensor counted at most at its storage size), for one layer's
+  ``policies.compress`` call (scoring and the kept set) and for the engine's event
+  (``SparseKVCache.compress`` over a pool of 28 layers: every layer scored, kept and compacted,
+  per layer; on the CPU 2 layers, for memory). Each runs on this CPU and on the ``meta`` device,
+  which dispatches the op sequence CUDA runs (mixed-precision GEMMs ``bf16 x bf16 -> fp32`` exist
   there; on the CPU the GEMM operands are upcast, which shows as extra copies). The pool's
-  compaction (``KVPool.compact``) is counted separately.
+  compaction is also counted alone (one layer; four layers in one ``compact_all``).
 - **on CUDA** (when one is present) the same decode step under ``torch.profiler``: kernels per
   step (``--cuda``).
 
@@ -118,6 +120,7 @@ class KernelCounter(TorchDispatchMode):
         self.by_owner: Counter = Counter()
         self.by_where: Counter = Counter()
         self.by_op: Counter = Counter()
+        self.bytes_where: Counter = Counter()
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -130,7 +133,9 @@ class KernelCounter(TorchDispatchMode):
         self.by_owner[owner] += 1
         self.by_where[(owner, where)] += 1
         self.by_op[name] += 1
-        self.bytes += sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
+        moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
+        self.bytes += moved
+        self.bytes_where[where] += moved
         return out
 
     @property
@@ -332,19 +337,75 @@ def compress_counts(policy, shape: dict, device: str, layers: int = 1) -> dict:
             "ratio": counter.bytes / key_bytes, "by_op": dict(counter.by_op), "layers": layers}
 
 
-def compaction_counts(shape: dict) -> dict:
-    """Ops and bytes of the pool's compaction of one layer (``KVPool.compact``; pool.py)."""
+def _event_pool(policy, shape: dict, device: str, layers: int):
+    """A ``layers``-deep pool holding ``S`` valid slots per row (random bf16 keys off ``meta``)
+    and the cache over it, as the engine builds them."""
+    from sparsecorr.decoding.backends import TorchBackend
+    from sparsecorr.decoding.cache import SparseKVCache
+    from sparsecorr.decoding.pool import KVPool
+
+    b, h, g, s, d, _ = (shape[k] for k in ("b", "h", "g", "s", "d", "w"))
+    window = getattr(policy, "window", 0) if policy.evicts else 0
+    pool = KVPool(layers=layers, batch=b, kv_heads=h, q_heads=h * g, head_dim=d, capacity=s, page_size=16,
+                  dtype=torch.bfloat16, device=torch.device(device), positions=True, window=window,
+                  summaries=False, grad=False)
+    cache = SparseKVCache(pool, policy=policy, backend=TorchBackend())
+    if device != "meta":
+        gen = torch.Generator().manual_seed(0)
+        for i in range(layers):
+            pool.k[i].copy_(torch.randn(pool.k[i].shape, generator=gen))
+            pool.pos[i].copy_(torch.arange(pool.pos[i].shape[-1]))
+        if getattr(pool, "norms_all", None) is not None:  # the norms the writes would have stored
+            pool.add_key_norms(torch.arange(pool.k[0].shape[2], device=device).expand(b, -1))
+    return pool, cache
+
+
+def event_counts(policy, shape: dict, device: str, layers: int) -> dict:
+    """Ops of one compression event of a ``layers``-deep pool (``SparseKVCache.compress``: scoring,
+    kept sets and the compaction of every layer), per layer; its bytes without the compaction
+    (reported apart) per layer, and against the bf16 keys of all layers."""
+    b, s = shape["b"], shape["s"]
+    budget = s // 2 - getattr(policy, "buffer", 0)
+    budgets, counts = torch.full((b,), budget), torch.full((b,), s)
+    pool, cache = _event_pool(policy, shape, device, layers)
+    order = None
+    if pool.win is not None:
+        order = (torch.full((b,), s)[:, None] + torch.arange(pool.window)) % pool.window
+        order = order.to(device)
+    counter = KernelCounter()
+    with counter:
+        cache.compress(budgets, counts, None, order=order)
+    key_bytes = layers * b * shape["h"] * s * shape["d"] * 2
+    # the compaction (pool.py's compact / compact_all) apart: the target is on the scoring and kept sets
+    comp = {k: v for k, v in counter.bytes_where.items() if k.startswith("decoding/pool.py:compact")}
+    comp_ops = sum(v for (_, k), v in counter.by_where.items() if k.startswith("decoding/pool.py:compact"))
+    scoring = counter.bytes - sum(comp.values())
+    return {"ops": counter.total / layers, "bytes": scoring / layers, "key_bytes": key_bytes / layers,
+            "ratio": scoring / key_bytes, "compaction_ops": comp_ops / layers,
+            "compaction_bytes": sum(comp.values()) / layers, "by_op": dict(counter.by_op), "layers": layers}
+
+
+def compaction_counts(shape: dict, layers: int = 1) -> dict:
+    """Ops and bytes of the pool's compaction (pool.py), per layer: ``KVPool.compact`` of one
+    layer, or with ``layers > 1`` ``KVPool.compact_all`` of every layer where the pool has it."""
     from sparsecorr.decoding.pool import KVPool
 
     b, h, g, s, d, w = (shape[k] for k in ("b", "h", "g", "s", "d", "w"))
-    pool = KVPool(layers=1, batch=b, kv_heads=h, q_heads=h * g, head_dim=d, capacity=s, page_size=16,
+    pool = KVPool(layers=layers, batch=b, kv_heads=h, q_heads=h * g, head_dim=d, capacity=s, page_size=16,
                   dtype=torch.bfloat16, device=torch.device("cpu"), positions=True, window=w,
                   summaries=False, grad=False)
-    index = torch.arange(s // 2).expand(b, h, s // 2)
+    index = torch.arange(s // 2).expand(layers, b, h, s // 2)
     counter = KernelCounter()
     with counter:
-        pool.compact(0, index)
-    return {"ops": counter.total, "bytes": counter.bytes}
+        if layers > 1 and hasattr(pool, "compact_all"):
+            pool.compact_all(index)
+        else:
+            for i in range(layers):
+                pool.compact(i, index[i])
+    return {"ops": counter.total / layers, "bytes": counter.bytes / layers, "layers": layers}
+
+
+EVENT_LAYERS = 28  # Qwen3-0.6B's depth
 
 
 def compress_table(smoke: bool) -> list[dict]:
@@ -358,11 +419,15 @@ def compress_table(smoke: bool) -> list[dict]:
             except (RuntimeError, NotImplementedError) as exc:  # an op without a meta kernel
                 row[device] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         rows.append(row)
-    # projection of the next phase's batched event (the pool as one [L, B, H, C, D] tensor, so the
-    # stacked keys are a view): the same compress over 28 layers in one call, per layer (meta only)
-    rows.append({"policy": "RKV, 28 layers in one call (projection)", "shape": shape,
-                 "meta": compress_counts(RKV(), shape, "meta", layers=28)})
-    rows.append({"policy": "compaction (pool.py)", "shape": shape, "cpu": compaction_counts(shape)})
+    # the engine's event: every layer of a pool in one SparseKVCache.compress call (scoring, kept
+    # sets, compaction), per layer; CPU at 2 layers (memory), CUDA's op sequence at 28
+    for name, pol in [("SnapKV", SnapKV()), ("RKV", RKV())]:
+        rows.append({"policy": f"{name}, event of {EVENT_LAYERS} layers (cache.compress), per layer", "shape": shape,
+                     "event": True, "cpu": event_counts(pol, shape, "cpu", 2),
+                     "meta": event_counts(pol, shape, "meta", EVENT_LAYERS)})
+    rows.append({"policy": "compaction (pool.py), 1 layer", "shape": shape, "cpu": compaction_counts(shape)})
+    rows.append({"policy": "compaction (pool.py), 4 layers in one call, per layer", "shape": shape,
+                 "cpu": compaction_counts(shape, 4)})
     return rows
 
 
@@ -432,7 +497,8 @@ def print_tables(result: dict) -> None:
     for r in result["step"]:
         parts = sorted(((v, k) for k, v in r["per_layer_where"].items() if k.startswith("ours")), reverse=True)
         print(f"- {r['policy']}: " + ", ".join(f"{k.split(' ', 1)[1]} {_fmt(v)}" for v, k in parts))
-    print("\n## one compression event of one layer (policies.compress), shape "
+    print("\n## one compression event: one layer's policies.compress call, and the engine's event over "
+          f"{EVENT_LAYERS} layers (CPU: 2) per layer, shape "
           + ", ".join(f"{k}={v}" for k, v in result["compress"][0]["shape"].items()) + "\n")
     rows = []
     for r in result["compress"]:
@@ -446,7 +512,7 @@ def print_tables(result: dict) -> None:
             else:
                 cells += [_fmt(c["ops"]), f"{c['bytes'] / 2**20:.0f}",
                           f"{c['ratio']:.2f}x" if "ratio" in c else ""]
-        if r["policy"].startswith("RKV") and "ops" in r.get("meta", {}):
+        if r["policy"].startswith("RKV") and r.get("event") and "ops" in r.get("meta", {}):
             m = r["meta"]
             ops_ok, bytes_ok = m["ops"] <= TARGET_RKV_KERNELS, m["ratio"] <= TARGET_RKV_BYTES
             cells.append(f"<= {TARGET_RKV_KERNELS} ops: {'met' if ops_ok else 'missed'}; "
@@ -456,6 +522,11 @@ def print_tables(result: dict) -> None:
         rows.append(cells)
     print(table(["policy", "CPU ops", "CPU MiB", "CPU / keys", "CUDA ops (meta)", "CUDA MiB", "CUDA / keys",
                  "target"], rows))
+    for r in result["compress"]:
+        m = r.get("meta", {})
+        if r.get("event") and "compaction_ops" in m:
+            print(f"- {r['policy']}: MiB and / keys without the compaction; the compaction adds "
+                  f"{_fmt(m['compaction_ops'])} ops and {m['compaction_bytes'] / 2**20:.0f} MiB per layer (CUDA ops)")
     if result.get("cuda"):
         print("\n## CUDA: kernels per decode step (torch.profiler)\n")
         print(table(["policy", "layers", "cuda_graph", "fused", "kernels/step"],

@@ -26,9 +26,10 @@ from .policies import (
     KVPolicy,
     SelectionPlan,
     compress,
-    keep_counts,
     pages_to_mask,
+    rank_pages,
     select_pages,
+    selection_plan,
 )
 from .pool import KVPool
 
@@ -75,16 +76,36 @@ class SparseKVCache(CacheBase):
         super().__init__(len(pool.k))
         self.pool, self.policy, self.backend = pool, policy, backend
         self.step: Step | None = None
+        if getattr(policy, "key_norms", False):  # the compression reads the keys' norms from the pool
+            pool.track_norms()
 
     # -- the cache protocol of hf.CacheBase ---------------------------------------------------
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling():  # traced: sparsecorr::attend writes (decoding.fused)
             return key, value
-        st = self.step
-        if layer_idx == 0 and self.pool.pos is not None:  # every layer's positions, once per step
-            self.pool.write_positions(st.slots, st.positions)
-        self.pool.write(layer_idx, key, value, st.slots, st.pages)
+        st, pool = self.step, self.pool
+        if layer_idx == 0 and pool.pos is not None:  # every layer's positions, once per step
+            pool.write_positions(st.slots, st.positions)
+        per_layer = st.pages is not None and self._page_sums_per_layer(st)
+        pool.write(layer_idx, key, value, st.slots, st.pages if per_layer else None)
+        if layer_idx == self.num_layers - 1:  # every layer's new keys, once per step
+            if st.pages is not None and not per_layer:
+                pool.add_page_sums(st.slots, st.pages)
+            if pool.norms_all is not None:
+                pool.add_key_norms(st.slots)
         return self.pool.k[layer_idx][:, :, :st.kv_len], self.pool.v[layer_idx][:, :, :st.kv_len]
+
+    def _page_sums_per_layer(self, st: Step) -> bool:
+        """Whether this forward adds its keys to the page sums layer by layer (with each K write)
+        instead of once for every layer after the last layer's write (`KVPool.add_page_sums`).
+
+        Deferring is exact where no layer reads a page sum its own write changed: a prefill
+        forward reads none (it attends densely), and a single-token step's write goes to the
+        query's own page, which is always kept (``keep_last_pages >= 1``: its bias outranks
+        every score, so its stale sum changes no selection). A multi-token selecting forward (a
+        teacher-forced chunk) can complete a page that a later query of the chunk scores, and
+        the per-layer K/V tensors of autograd (``grad``) have no stacked view: both per layer."""
+        return (st.select and st.q_len > 1) or self.pool.k_all is None
 
     def seq_length(self) -> int:
         return 0 if self.step is None else self.step.kv_len
@@ -121,26 +142,29 @@ class SparseKVCache(CacheBase):
     def _attend_selected(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
         st, pool = self.step, self.pool
         ps = pool.page_size
-        pages, ok = select_pages(self.policy, summaries=pool.summ[layer], query=query,
-                                 slots=st.query_slots, budgets=st.budgets, k=st.keep_max, plan=st.plan)
-        if st.paged:
-            return self.backend.decode(query, pool.k[layer], pool.v[layer], selected=(pages[:, :, 0], ok[:, :, 0]))
-        if st.q_len > 1:  # a teacher-forced chunk: one page mask per query
+        if st.paged or st.q_len > 1:
+            pages, ok = select_pages(self.policy, summaries=pool.summ[layer], query=query,
+                                     slots=st.query_slots, budgets=st.budgets, k=st.keep_max, plan=st.plan)
+            if st.paged:
+                return self.backend.decode(query, pool.k[layer], pool.v[layer],
+                                           selected=(pages[:, :, 0], ok[:, :, 0]))
+            # a teacher-forced chunk: one page mask per query
             sel = pages_to_mask(pages, ok, page_size=ps, slots=st.kv_len)
             return self.backend.attend(query, key, value, sel & st.mask, scaling=scaling)
-        # one token: gather the selected pages (O(budget) attention instead of O(S))
-        b, h = pages.shape[:2]
+        # one token: gather the selected pages (O(budget) attention instead of O(S)), the
+        # query's own page first (`rank_pages`), so the slot mask is the step's, not the layer's
+        b, h = pool.summ_all.shape[1:3]
         if st.gather is None:  # the step's part: the same for every sparse layer
-            keep = st.plan.keep if st.plan is not None else \
-                keep_counts(self.policy, slots=st.query_slots, budgets=st.budgets)
-            offsets = torch.arange(ps, device=pages.device)
-            allowed = gather_mask(keep[:, :1], st.query_slots[:, :1], k=pages.shape[-1], page_size=ps)
-            st.gather = (offsets, allowed, allowed[:, :, None, :])
-        offsets, allowed, mask = st.gather
-        slot = torch.add(offsets, pages[:, :, 0, :, None], alpha=ps).reshape(b, h, -1)
-        slot = torch.where(allowed, slot, 0)
-        d = pool.k[layer].shape[-1]
-        idx = slot[..., None].expand(-1, -1, -1, d)
+            plan = st.plan if st.plan is not None else selection_plan(
+                self.policy, slots=st.query_slots, budgets=st.budgets, k=st.keep_max, n_pages=pool.pages_per_row)
+            offsets = torch.arange(ps, device=query.device)
+            allowed = gather_mask(plan.keep[:, :1], st.query_slots[:, :1], k=plan.k, page_size=ps)
+            bias = plan.bias.expand(b, h, 1, plan.n_pages).reshape(b * h, 1, plan.n_pages)
+            st.gather = (offsets, allowed[:, :, None, :], bias, plan.k)
+        offsets, mask, bias, k = st.gather
+        top = rank_pages(summaries=pool.summ[layer], query=query, bias=bias, k=k)  # [B, H, 1, k]
+        slot = torch.add(offsets, top[..., None], alpha=ps).reshape(b, h, -1)  # in range: pages < P
+        idx = slot[..., None].expand(-1, -1, -1, pool.k[layer].shape[-1])
         k_sel, v_sel = pool.k[layer].gather(2, idx), pool.v[layer].gather(2, idx)
         return self.backend.attend(query, k_sel, v_sel, self._step_mask(mask, query.dtype), scaling=scaling)
 
@@ -161,42 +185,65 @@ class SparseKVCache(CacheBase):
             forced ``[B, L, H_kv, K']`` (device, -1 padded), due ``[B]`` (device bool) ->
             ``[B, L, H_kv, K]`` or None.
         """
-        pool = self.pool
+        pool, n = self.pool, self.num_layers
         s = int(counts.max())
-        dev = pool.k[0].device
-        b, h = pool.k[0].shape[:2]
-        valid = (torch.arange(s, device=dev) < counts.to(dev, non_blocking=True)[:, None])[:, None, :].expand(b, h, s)
+        dev = pool.pos_all.device
         top, budgets = int(budgets.max()), budgets.to(dev, non_blocking=True)  # once, not per layer
-        kept = []
-        for i in range(self.num_layers):
-            keys, positions = pool.k[i][:, :, :s].detach(), pool.pos[i][:, :, :s]
-            if forced is None:
-                q = keys.new_zeros(b, keys.shape[1], 0, keys.shape[-1]) if pool.win is None else \
-                    pool.win[i][:, :, :pool.window] if order is None else pool.window_in_order(i, order)
-                keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=positions,
-                                budget=budgets, query_valid=query_valid, max_budget=top)
+        counts = counts.to(dev, non_blocking=True)
+        # every layer in one call (the stacked pool); with grad (per-layer K/V tensors) one layer
+        # at a time, so the keys are never copied into a stack
+        group = n if pool.k_all is not None else 1
+        kept = [self._compress_layers(range(lo, min(lo + group, n)), s=s, top=top, budgets=budgets, counts=counts,
+                                      query_valid=query_valid, forced=forced, due=due, record=record, order=order)
+                for lo in range(0, n, group)]
+        return torch.cat(kept, 1) if record else None
+
+    def _compress_layers(self, layers: range, *, s: int, top: int, budgets, counts, query_valid, forced, due,
+                         record: bool, order) -> torch.Tensor | None:
+        """Score, keep and compact ``layers`` in one `compress` call: the layers are stacked along
+        the batch axis (``[n·B, ...]``, layer-major; each (row, head) is scored and kept on its
+        own, so nothing mixes layers). Returns the kept positions ``[B, n, H_kv, K]`` if
+        ``record``."""
+        pool, n, lo, hi = self.pool, len(layers), layers.start, layers.stop
+        b, h = pool.pos_all.shape[1:3]
+        valid = (torch.arange(s, device=counts.device) < counts.repeat(n)[:, None])[:, None, :].expand(n * b, h, s)
+        positions = pool.pos_all[lo:hi, ..., :s].reshape(n * b, h, s)
+        if forced is None:
+            keys = pool.keys(s, lo, hi)
+            keys = keys.reshape(n * b, *keys.shape[2:])
+            if pool.win is None:
+                q = keys.new_zeros(n * b, h, 0, keys.shape[-1])
             else:
-                keep = forced_keep(positions, valid, forced[:, i], due, k=min(top, s))
-            if record:
-                kept.append(torch.where(keep.valid, positions.gather(-1, keep.index), -1))
-            pool.compact(i, keep.index)
-        return torch.stack(kept, 1) if record else None
+                q = pool.win_all[lo:hi, ..., :pool.window, :] if order is None else pool.windows_in_order(order, lo, hi)
+                q = q.reshape(n * b, *q.shape[2:])
+            norms = None if pool.norms_all is None else pool.norms_all[lo:hi, ..., :s].reshape(n * b, h, s)
+            keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=positions,
+                            budget=budgets.repeat(n), max_budget=top, key_norms=norms,
+                            query_valid=None if query_valid is None else query_valid.repeat(n, 1))
+        else:
+            want = forced[:, lo:hi].transpose(0, 1).reshape(n * b, *forced.shape[2:])
+            keep = forced_keep(positions, valid, want, due.repeat(n), k=min(top, s))
+        kept = None
+        if record:
+            kept = torch.where(keep.valid, positions.gather(-1, keep.index), -1).reshape(n, b, h, -1).transpose(0, 1)
+        pool.compact_all(keep.index.reshape(n, b, h, -1), lo)
+        return kept
 
 
 def gather_mask(keep: torch.Tensor, query_slot: torch.Tensor, *, k: int, page_size: int) -> torch.Tensor:
     r"""Which of a single-token step's ``k · page_size`` gathered slots the query reads, the same
-    in every sparse layer: entry \(i\) of a row's ascending page list holds a kept page while
-    \(i < \mathrm{keep}\), and the last kept page is the query's own (always kept, and the latest),
-    so slot \(j\) of entry \(i\) is read iff \(i < \mathrm{keep} - 1\), or \(i = \mathrm{keep} - 1\)
-    and \(j \le s \bmod p\) (the query's slot \(s\)).
+    in every sparse layer: entry \(i\) of a row's page list from
+    [`rank_pages`][sparsecorr.decoding.policies.block_topk.rank_pages] holds a kept page while
+    \(i < \mathrm{keep}\), and entry 0 is the query's own page (ranked first), so slot \(j\)
+    of entry \(i\) is read iff \(0 < i < \mathrm{keep}\), or \(i = 0\) and
+    \(j \le s \bmod p\) (the query's slot \(s\)).
 
     Shapes:
         keep, query_slot ``[B, 1]`` -> ``[B, 1, k · page_size]`` bool.
     """
     n = torch.arange(k * page_size, device=keep.device)
     entry, j = n // page_size, n % page_size
-    last = keep - 1
-    return ((entry < last) | ((entry == last) & (j <= query_slot % page_size)))[:, None, :]
+    return (((entry > 0) & (entry < keep)) | ((entry == 0) & (j <= query_slot % page_size)))[:, None, :]
 
 
 def forced_keep(positions: torch.Tensor, valid: torch.Tensor, want: torch.Tensor, due: torch.Tensor, *,

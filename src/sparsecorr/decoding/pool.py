@@ -1,11 +1,13 @@
 r"""The preallocated, paged KV pool the engine decodes into.
 
-Per layer the pool holds K and V as ``[B, H_kv, C + page, D]`` in the model's dtype, allocated
-once per ``generate`` call: ``C`` (a multiple of the page size) is the most slots a row can hold
-under its policy and budget (the engine works it out), and the extra page is a scratch area
+The pool holds K and V of every layer stacked, ``[L, B, H_kv, C + page, D]`` in the model's dtype
+(``k_all``, ``v_all``; ``k[i]``, ``v[i]`` are per-layer views), allocated once per ``generate``
+call: ``C`` (a multiple of the page size) is the most slots a row can hold under its policy and
+budget (the engine works it out), and the extra page is a scratch area
 that padding tokens of a ragged chunk are written to. Row ``b``'s valid tokens always occupy
 slots ``[0, count_b)``; a decode step writes each row's token at its own ``count_b`` (an indexed
-write, no ``torch.cat``), and a compression event gathers the kept slots to the front. Seen as
+write, no ``torch.cat``), and a compression event gathers the kept slots of every layer to the
+front at once (`KVPool.compact_all`: one gather and one copy per stacked buffer). Seen as
 ``[B · H_kv · (C / page + 1), page, D]`` each buffer is directly a paged-KV pool for a paged
 kernel (`sparsecorr.decoding.backends.paged`).
 
@@ -17,9 +19,15 @@ column \(p \bmod W\), so a step writes each layer's queries with one scatter at 
 once per step (`ring_slots`; a dump column ``W`` takes padding and queries older than the
 window), and the window is put in order (oldest first, `ring_order`) only when a compression
 reads it. Selection policies keep the running float32 **sum** of the keys of every page (the
-page summaries): each write adds its keys to their pages (one ``scatter_add_`` per layer at page
-indices built once per step), so no summary is ever recomputed from the cache. With autograd on (``grad=True``) every update is out of
-place, so earlier attention calls keep the tensors they read.
+page summaries): every layer's new keys are added to their pages once per step, after the last
+layer's write (`KVPool.add_page_sums`: one gather, one cast, one ``scatter_add_`` at page indices
+built once per step; per layer in `KVPool.write` where the cache asks for it), so no summary is
+ever recomputed from the cache. R-KV's compressions read every key's norm, which the pool keeps
+the same way (`KVPool.track_norms`, `KVPool.add_key_norms`). With autograd on (``grad=True``) every K/V update
+is out of place, so earlier attention calls keep the tensors they read: K and V are then separate
+per-layer tensors (``k_all``, ``v_all`` None; a compression stacks the detached keys and compacts
+layer by layer). Windows, positions and page sums are stacked in both modes (written in place,
+detached).
 """
 
 from __future__ import annotations
@@ -30,12 +38,14 @@ __all__ = ["KVPool", "ring_order", "ring_slots"]
 
 
 class KVPool:
-    """Per-layer K/V buffers plus positions, observation windows and page summaries.
+    """Stacked K/V buffers plus positions, observation windows and page summaries, with
+    per-layer views (``k[i]`` is ``k_all[i]``; likewise ``v``, ``pos``, ``win``, ``summ``).
 
     Shapes:
-        k[i], v[i]: ``[B, H_kv, C + page, D]``; pos[i]: ``[B, H_kv, C + page]`` long;
-        win[i]: ``[B, H_q, W + 1, D]`` (a ring: position p in column p mod W, column W a dump);
-        summ[i]: ``[B, H_kv, C / page + 1, D]`` float32 (the sum of each page's keys; the
+        k_all, v_all: ``[L, B, H_kv, C + page, D]`` (None with grad); k[i], v[i]:
+        ``[B, H_kv, C + page, D]``; pos_all ``[L, B, H_kv, C + page]`` long;
+        win_all: ``[L, B, H_q, W + 1, D]`` (a ring: position p in column p mod W, column W a dump);
+        summ_all: ``[L, B, H_kv, C / page + 1, D]`` float32 (the sum of each page's keys; the
         scratch page's entry collects padding and is never read).
     """
 
@@ -48,20 +58,43 @@ class KVPool:
         self.pages_per_row = self.capacity // page_size + 1
         self.grad = grad
         total = self.capacity + page_size
-        shape = (batch, kv_heads, total, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.pos_all = torch.zeros(layers, *shape[:3], dtype=torch.long, device=device) if positions else None
-        self.pos = list(self.pos_all.unbind(0)) if positions else None  # per-layer views
+        shape = (layers, batch, kv_heads, total, head_dim)
+        # stacked [L, ...] buffers, per-layer views; with grad the K/V writes are out of place, so
+        # each layer's K and V are separate tensors (k_all / v_all None) and a compression stacks them
+        self.k_all = None if grad else torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = None if grad else torch.zeros(shape, dtype=dtype, device=device)
+        self.k = [torch.zeros(shape[1:], dtype=dtype, device=device) for _ in range(layers)] if grad \
+            else list(self.k_all.unbind(0))
+        self.v = [torch.zeros(shape[1:], dtype=dtype, device=device) for _ in range(layers)] if grad \
+            else list(self.v_all.unbind(0))
+        self.pos_all = torch.zeros(shape[:4], dtype=torch.long, device=device) if positions else None
         self.window = window
-        self.win = [torch.zeros(batch, q_heads, window + 1, head_dim, dtype=dtype, device=device)
-                    for _ in range(layers)] if window > 0 else None
-        self.summ = [torch.zeros(batch, kv_heads, self.pages_per_row, head_dim, dtype=torch.float32,
-                                 device=device) for _ in range(layers)] if summaries else None
+        self.win_all = torch.zeros(layers, batch, q_heads, window + 1, head_dim, dtype=dtype, device=device) \
+            if window > 0 else None
+        self.summ_all = torch.zeros(layers, batch, kv_heads, self.pages_per_row, head_dim, dtype=torch.float32,
+                                    device=device) if summaries else None
+        self.norms_all = None  # [L, B, H_kv, C + page] float32 key norms, once `track_norms` is called
+        self._views()
+
+    def track_norms(self) -> None:
+        """Keep every written key's norm (float32 accumulation) in ``norms_all``, updated once
+        per step for every layer (`add_key_norms`) and compacted with the keys, so a compression
+        that needs them (R-KV's redundancy) does not re-read the keys for them. Not with grad."""
+        if self.k_all is not None and self.norms_all is None:
+            self.norms_all = torch.zeros(self.k_all.shape[:4], dtype=torch.float32, device=self.k_all.device)
+
+    def _views(self) -> None:
+        """Per-layer views of the stacked buffers (after allocation or `select_rows`)."""
+        if self.k_all is not None:
+            self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
+        self.pos = None if self.pos_all is None else list(self.pos_all.unbind(0))
+        self.win = None if self.win_all is None else list(self.win_all.unbind(0))
+        self.summ = None if self.summ_all is None else list(self.summ_all.unbind(0))
 
     def allocated_bytes(self) -> int:
         """Bytes of every buffer the pool holds (K, V, positions, windows, summaries)."""
-        groups = [self.k, self.v, self.pos or [], self.win or [], self.summ or []]
+        groups = [self.k, self.v, self.pos or [], self.win or [], self.summ or [],
+                  [] if self.norms_all is None else [self.norms_all]]
         return sum(t.numel() * t.element_size() for g in groups for t in g)
 
     def slot_bytes(self) -> int:
@@ -89,6 +122,36 @@ class KVPool:
         if self.summ is not None and pages is not None:
             self.summ[layer].scatter_add_(2, pages[:, None, :, None].expand(b, h, q, d), key.detach().float())
 
+    def _new_keys(self, slots: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Every layer's keys at ``slots`` (``[B, Q]``), one gather: ``[L, B, H_kv, Q, D]``."""
+        n, b, h, _, d = self.k_all.shape
+        shape = (n, b, h, slots.shape[1], d)
+        return self.k_all.gather(3, slots[None, :, None, :, None].expand(shape)), shape
+
+    def add_page_sums(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        """Add a forward's keys of every layer (already written at ``slots``) to the running
+        float32 sums of their ``pages``: a gather, a cast and one ``scatter_add_`` for all layers,
+        once per step (instead of a cast and a scatter per layer in `write`; needs the stacked
+        keys, so not with grad).
+
+        Shapes:
+            slots, pages ``[B, Q]`` (device, long).
+        """
+        new, shape = self._new_keys(slots)
+        self.summ_all.scatter_add_(3, pages[None, :, None, :, None].expand(shape), new.float())
+
+    def add_key_norms(self, slots: torch.Tensor) -> None:
+        """Store the norms of a forward's keys of every layer (already written at ``slots``):
+        a gather, one ``vector_norm`` (float32 accumulation) and one scatter for all layers,
+        once per step (`track_norms`).
+
+        Shapes:
+            slots ``[B, Q]`` (device, long).
+        """
+        new, shape = self._new_keys(slots)
+        norms = torch.linalg.vector_norm(new, dim=-1, dtype=torch.float32)
+        self.norms_all.scatter_(3, slots[None, :, None, :].expand(shape[:4]), norms)
+
     def write_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Write a chunk's true positions at per-row ``slots`` in every layer at once (one scatter
         per step; every layer writes a step's tokens at the same slots).
@@ -112,18 +175,8 @@ class KVPool:
         idx = slots[:, None, :, None].expand(b, hq, slots.shape[1], d)
         win.scatter_(2, idx, query.detach().to(win.dtype))
 
-    def window_in_order(self, layer: int, order: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer``'s observation window, oldest query first (``order`` from `ring_order`).
-
-        Shapes:
-            order ``[B, W]`` (device long) -> ``[B, H_q, W, D]``.
-        """
-        win = self.win[layer]
-        b, hq, _, d = win.shape
-        return win.gather(2, order[:, None, :, None].expand(b, hq, order.shape[1], d))
-
     def compact(self, layer: int, index: torch.Tensor) -> None:
-        """Move the kept slots ``index`` (``[B, H_kv, K]``, sorted by position) to the front."""
+        """Move the kept slots ``index`` (``[B, H_kv, K]``, sorted by position) of one layer to the front."""
         kk = index.shape[-1]
         idx4 = index[..., None].expand(-1, -1, -1, self.k[layer].shape[-1])
         for buf in (self.k, self.v):
@@ -135,15 +188,78 @@ class KVPool:
         if self.pos is not None:
             self.pos[layer][:, :, :kk] = self.pos[layer].gather(2, index)
 
+    def compact_all(self, index: torch.Tensor, first: int = 0) -> None:
+        """Move the kept slots ``index`` (``[n, B, H_kv, K]``, sorted by position) of layers
+        ``first .. first + n - 1`` to the front: one gather and one copy per stacked buffer (K, V,
+        positions, key norms) for all of them; with grad, layer by layer out of place (`compact`).
+        """
+        n = index.shape[0]
+        if self.k_all is None:
+            for i in range(n):
+                self.compact(first + i, index[i])
+            return
+        kk, layers = index.shape[-1], slice(first, first + n)
+        idx5 = index[..., None].expand(*index.shape, self.k_all.shape[-1])
+        for buf in (self.k_all[layers], self.v_all[layers]):
+            buf[:, :, :, :kk] = buf.gather(3, idx5)
+        for buf in (self.pos_all, self.norms_all):
+            if buf is not None:
+                buf[layers, :, :, :kk] = buf[layers].gather(3, index)
+
+    def keys(self, s: int, first: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Layers ``first .. stop - 1``'s first ``s`` key slots, detached: ``[n, B, H_kv, s, D]``
+        (a view of the stacked keys; with grad, of one layer's keys, or a stacked copy of several)."""
+        stop = len(self.k) if stop is None else stop
+        if self.k_all is None:
+            if stop - first == 1:
+                return self.k[first][None, :, :, :s].detach()
+            return torch.stack([k[:, :, :s].detach() for k in self.k[first:stop]])
+        return self.k_all[first:stop, :, :, :s].detach()
+
+    def windows_in_order(self, order: torch.Tensor, first: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Layers ``first .. stop - 1``'s observation windows, oldest query first (one gather).
+
+        Shapes:
+            order ``[B, W]`` (device long) -> ``[n, B, H_q, W, D]``.
+        """
+        win = self.win_all[first:stop]
+        n, b, hq, _, d = win.shape
+        return win.gather(3, order[None, :, None, :, None].expand(n, b, hq, order.shape[1], d))
+
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows ``rows`` (device, long) in every buffer (one layer at a time, so
-        the transient extra memory is one layer's buffer)."""
-        for group in (self.k, self.v, self.win, self.summ):
-            for i, t in enumerate(group or []):
-                group[i] = t.index_select(0, rows)
-        if self.pos_all is not None:
-            self.pos_all = self.pos_all.index_select(1, rows)
-            self.pos = list(self.pos_all.unbind(0))
+        """Keep only batch rows ``rows`` (device, long) in every buffer. A stacked buffer is
+        rewritten in its own storage, one layer at a time (`_take_rows`), so the transient extra
+        memory is one layer's selected rows, as with per-layer buffers; with grad the per-layer
+        K/V are selected one layer at a time."""
+        for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all", "norms_all"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, _take_rows(t, rows))
+        if self.k_all is None:
+            for group in (self.k, self.v):
+                for i, t in enumerate(group):
+                    group[i] = t.index_select(0, rows)
+        self._views()
+
+
+def _take_rows(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of every layer of a contiguous stacked buffer, as a contiguous ``[L, n, ...]``
+    view of the front of its own storage: layer ``i``'s selected rows (one ``index_select``, a
+    temporary of one layer) are written at ``[i·n, (i+1)·n)`` rows, which only overlaps layers
+    already read (``n <= B``). With more rows than the buffer has (repeated rows), a new tensor.
+
+    Shapes:
+        buf ``[L, B, ...]``; rows ``[n]`` (device long) -> ``[L, n, ...]``.
+    """
+    n_layers, b, n = buf.shape[0], buf.shape[1], rows.shape[0]
+    if n > b or not buf.is_contiguous():
+        return buf.index_select(1, rows)
+    per = buf[0].numel() // b if b else 0
+    flat = buf.view(-1)
+    for i in range(n_layers):
+        kept = buf[i].index_select(0, rows)
+        flat[i * n * per:(i + 1) * n * per].view(kept.shape).copy_(kept)
+    return flat[:n_layers * n * per].view(n_layers, n, *buf.shape[2:])
 
 
 def ring_slots(ctx: torch.Tensor, real: torch.Tensor, q_len: int, window: int) -> torch.Tensor:

@@ -222,3 +222,34 @@ def test_mixed_precision_gemm_path_on_cuda_equals_cpu():
         torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-4, rtol=0)
     torch.testing.assert_close(key_redundancy(keys.cuda(), valid.cuda()).cpu(), key_redundancy(keys, valid),
                                atol=2e-5, rtol=0)
+
+
+def _mix_minmax_stacked(imp, red, valid, *, mix):
+    """R-KV's min-max mix as commit 2736bbc computed it (stacked terms, ±inf fills, lerp)."""
+    x = torch.stack([imp, red])
+    invalid = ~valid
+    hi = x.masked_fill(invalid, -torch.inf).amax(-1, keepdim=True)
+    lo = x.masked_fill(invalid, torch.inf).amin(-1, keepdim=True)
+    z = (x - lo) / (hi - lo).clamp(min=1e-12)
+    return torch.lerp(-z[1], z[0], mix).masked_fill(invalid, 0.0)
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+@settings(max_examples=50)
+def test_mix_minmax_equals_the_stacked_form(seed, s, mix):
+    """The minmax mix with one ``aminmax`` per term over the valid slots (invalid ones replaced by
+    a valid value) equals the stacked ``±inf``-fill form to float rounding: valid prefixes,
+    scattered valid slots, rows with one and with no valid slot, constant rows."""
+    from sparsecorr.decoding.policies.rkv import mix_minmax
+
+    gen = torch.Generator().manual_seed(seed)
+    imp, red = torch.rand(4, 2, s, generator=gen), torch.randn(4, 2, s, generator=gen)
+    valid = torch.rand(4, 2, s, generator=gen) < 0.7
+    valid[0, 0] = torch.arange(s) < 1  # one valid slot
+    valid[0, 1] = False  # none
+    valid[1, 0] = torch.arange(s) < s  # all
+    imp[1, 1] = 0.25  # a constant row
+    got = mix_minmax(imp, red, valid, mix=mix)
+    want = _mix_minmax_stacked(imp, red, valid, mix=mix)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    assert (got[~valid] == 0).all()

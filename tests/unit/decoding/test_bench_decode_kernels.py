@@ -46,3 +46,6 @@ def test_decode_kernel_benchmark_smoke(tmp_path):
             assert c["ops"] > 5 and c["bytes"] > 0 and c["ratio"] > 0.5
     assert comp["RKV"]["meta"]["ops"] >= comp["SnapKV"]["meta"]["ops"] >= comp["StreamingLLM"]["meta"]["ops"]
     assert comp["RKV"]["meta"]["ratio"] < 20  # the closed form: no float32 copies of the keys on CUDA
+    event = next(r for r in res["compress"] if r["policy"].startswith("RKV, event"))
+    assert event["meta"]["layers"] == 28 and event["meta"]["ops"] <= 25  # the batched event, per layer
+    assert event["cpu"]["ops"] > event["meta"]["ops"] and event["meta"]["ratio"] < comp["RKV"]["meta"]["ratio"] + 1

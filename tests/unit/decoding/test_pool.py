@@ -45,7 +45,7 @@ def _push(pool, q, ctx, real):
 
 
 def _in_order(pool, ctx):
-    return pool.window_in_order(0, ring_order(ctx, pool.window))
+    return pool.windows_in_order(ring_order(ctx, pool.window))[0]
 
 
 def test_windows_keep_each_rows_last_real_queries():
@@ -110,3 +110,68 @@ def test_capacity_is_bounded_by_budget_plus_buffer_plus_chunk():
     assert pool_capacity(BlockTopK(), table, longest=1000, chunk=1) == 1000  # selection keeps all
     table[:300] = -1  # dense below 300 tokens of context
     assert pool_capacity(RKV(), table, longest=1000, chunk=1) == 1000
+
+
+def test_key_norms_follow_writes_compaction_and_row_selection():
+    """With `track_norms`, every valid slot's stored norm is the norm of the key it holds, after
+    chunked writes (padding to the scratch page), a compaction of every layer and a row selection."""
+    g = torch.Generator().manual_seed(0)
+    pool = KVPool(layers=2, batch=3, kv_heads=2, q_heads=4, head_dim=5, capacity=12, page_size=4,
+                  dtype=torch.bfloat16, device=torch.device("cpu"), positions=True, window=0,
+                  summaries=False, grad=False)
+    pool.track_norms()
+    count = torch.zeros(3, dtype=torch.long)
+
+    def check():
+        for b in range(pool.k_all.shape[1]):
+            n = int(count[b])
+            want = torch.linalg.vector_norm(pool.k_all[:, b, :, :n], dim=-1, dtype=torch.float32)
+            assert torch.equal(pool.norms_all[:, b, :, :n], want)
+
+    for q_len in (5, 1, 3):
+        real = torch.randint(0, q_len + 1, (3,), generator=g) if q_len < 5 else torch.full((3,), 5)
+        i = torch.arange(q_len)
+        slots = torch.where(i < real[:, None], count[:, None] + i, pool.scratch)
+        for layer in range(2):
+            key = torch.randn(3, 2, q_len, 5, generator=g).to(torch.bfloat16)
+            pool.write(layer, key, key, slots)
+        pool.add_key_norms(slots)
+        count += real
+        check()
+    k = 3  # of at least 5 slots per row
+    index = torch.stack([torch.randperm(5, generator=g)[:k].sort().values for _ in range(12)])
+    pool.compact_all(index.reshape(2, 3, 2, k))
+    count.fill_(k)
+    check()
+    pool.select_rows(torch.tensor([2, 0]))
+    count = count[:2]
+    check()
+    assert pool.norms_all.shape[1] == 2
+
+
+def test_select_rows_rewrites_the_stacked_buffers_in_place():
+    """Row selection of the stacked buffers keeps every layer's selected rows (in the given
+    order), in the buffers' own storage (no second pool), with contiguous [L, n, ...] results."""
+    g = torch.Generator().manual_seed(1)
+    pool = _pool()
+    pool.track_norms()
+    for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all", "norms_all"):
+        t = getattr(pool, name)
+        t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype))
+    before = {name: getattr(pool, name).clone() for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all",
+                                                              "norms_all")}
+    ptr = pool.k_all.data_ptr()
+    pool.select_rows(torch.tensor([1]))
+    for name, old in before.items():
+        got = getattr(pool, name)
+        assert got.is_contiguous() and torch.equal(got, old[:, [1]]), name
+    assert pool.k_all.data_ptr() == ptr and torch.equal(pool.k[1], before["k_all"][1, [1]])
+    big = KVPool(layers=3, batch=4, kv_heads=2, q_heads=4, head_dim=3, capacity=8, page_size=4,
+                 dtype=torch.float32, device=torch.device("cpu"), positions=True, window=0,
+                 summaries=False, grad=False)
+    big.k_all.copy_(torch.randn(big.k_all.shape, generator=g))
+    old = big.k_all.clone()
+    for rows in (torch.tensor([0, 2, 3]), torch.tensor([2, 0])):  # ascending, then reordered
+        big.select_rows(rows)
+        old = old[:, rows]
+        assert torch.equal(big.k_all, old) and torch.equal(big.k[2], old[2])

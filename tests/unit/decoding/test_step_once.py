@@ -78,7 +78,7 @@ def test_ring_window_equals_the_shift_window(monkeypatch, policy, graphs):
     ids = torch.randint(3, 128, (3, 21), generator=torch.Generator().manual_seed(1))
     shift: dict = {}  # layer -> the window as it was kept before the ring (oldest first)
     checked = []
-    attend, in_order = SparseKVCache.attend, KVPool.window_in_order
+    attend, in_order = SparseKVCache.attend, KVPool.windows_in_order
 
     def shifted(self, layer, query, key, value, scaling):
         win = shift.get(layer, torch.zeros_like(self.pool.win[layer][:, :, :self.pool.window]))
@@ -88,16 +88,17 @@ def test_ring_window_equals_the_shift_window(monkeypatch, policy, graphs):
         shift[layer] = both.gather(2, idx[:, None, :, None].expand(b, hq, w, d))
         return attend(self, layer, query, key, value, scaling)
 
-    def compared(self, layer, order):
-        ring = in_order(self, layer, order)
-        assert torch.equal(ring, shift[layer]), f"layer {layer}: ring window != shifted window"
-        checked.append(layer)
+    def compared(self, order, first=0, stop=None):  # every layer's window at once (the batched compression)
+        ring = in_order(self, order, first, stop)
+        for i in range(ring.shape[0]):
+            assert torch.equal(ring[i], shift[first + i]), f"layer {first + i}: ring window != shifted window"
+            checked.append(first + i)
         return ring
 
     events = []
     got = _decode(model, ids, policy, 8, backend=TorchBackend(), graphs=graphs, events=events)
     monkeypatch.setattr(SparseKVCache, "attend", shifted)
-    monkeypatch.setattr(KVPool, "window_in_order", compared)
+    monkeypatch.setattr(KVPool, "windows_in_order", compared)
     ref = _decode(model, ids, policy, 8, backend=TorchBackend(), graphs=graphs, events=[])
     assert len(checked) >= 6 and len(events) >= 3  # compressions in prefill and in decode, every layer
     _same(got, ref)
@@ -128,9 +129,66 @@ def test_running_page_sums_select_todays_pages(monkeypatch, backend, graphs):
         compared.append(layer)
         return got
 
+    rank, ranked = cache_mod.rank_pages, []
+
+    def both_ranked(*, summaries, query, bias, k):  # the gather path: the kept entries, as sets
+        cache = cache_mod._ACTIVE.get()
+        layer = next(i for i, s in enumerate(cache.pool.summ) if s is summaries)
+        means = page_means(cache.pool.k[layer], page_size=cache.pool.page_size)
+        got = rank(summaries=summaries, query=query, bias=bias, k=k)
+        want = rank(summaries=means.contiguous(), query=query, bias=bias, k=k)
+        keep = cache.step.plan.keep[:, None, :, None]  # [B, 1, 1, 1]
+        first = torch.arange(k) < keep
+        assert torch.equal(torch.where(first, got, -1).sort(-1).values, torch.where(first, want, -1).sort(-1).values)
+        ranked.append(layer)
+        return got
+
     monkeypatch.setattr(cache_mod, "select_pages", both)
+    monkeypatch.setattr(cache_mod, "rank_pages", both_ranked)
     _decode(model, ids, policy, 8, backend=backend[1](), graphs=graphs)
-    assert len(compared) >= 2 * 11  # two sparse layers, every decode step
+    assert len(compared) + len(ranked) >= 2 * 11  # two sparse layers, every decode step
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("backend", _backends(), ids=lambda b: b[0])
+def test_page_sums_once_per_step_select_todays_pages(monkeypatch, backend, graphs):
+    """BlockTopK: the page sums added to once per step for every layer (after the last layer's
+    write, `KVPool.add_page_sums`) give the tokens, log-probs and, in every sparse layer of every
+    step, the pages that the per-layer update (with each K write, as before) gives: 40 steps of
+    4-token pages (crossing many page boundaries), ragged rows, a multi-page prefill."""
+    import sparsecorr.decoding.cache as cache_mod
+
+    model = tiny_model("qwen3", num_layers=3)
+    ids = torch.randint(3, 128, (3, 13), generator=torch.Generator().manual_seed(4))
+    policy = BlockTopK(page_size=4, dense_layers=1)
+    seen: dict[str, list] = {"got": [], "ref": []}
+    select, rank = cache_mod.select_pages, cache_mod.rank_pages
+
+    def recorder(key):
+        def sel(*a, **kw):
+            out = select(*a, **kw)
+            seen[key].append(out[0].clone())
+            return out
+
+        def rk(**kw):
+            out = rank(**kw)
+            seen[key].append(out.clone())
+            return out
+        return sel, rk
+
+    sel, rk = recorder("got")
+    monkeypatch.setattr(cache_mod, "select_pages", sel)
+    monkeypatch.setattr(cache_mod, "rank_pages", rk)
+    got = _decode(model, ids, policy, 12, backend=backend[1](), graphs=graphs, steps=40)
+    sel, rk = recorder("ref")
+    monkeypatch.setattr(cache_mod, "select_pages", sel)
+    monkeypatch.setattr(cache_mod, "rank_pages", rk)
+    monkeypatch.setattr(SparseKVCache, "_page_sums_per_layer", lambda self, st: True)
+    ref = _decode(model, ids, policy, 12, backend=backend[1](), graphs=graphs, steps=40)
+    _same(got, ref)
+    assert len(seen["got"]) == len(seen["ref"]) >= 2 * 39
+    for a, b in zip(seen["got"], seen["ref"]):
+        assert torch.equal(a, b)
 
 
 def test_running_page_sums_are_the_page_sums_of_the_pool():
@@ -155,25 +213,32 @@ def test_running_page_sums_are_the_page_sums_of_the_pool():
         torch.testing.assert_close(pool.summ[0][b, :, :n], want, atol=1e-6, rtol=1e-6)
 
 
-def test_gather_mask_once_per_step_equals_the_per_layer_mask():
-    """The single-token gather path's slot mask, built once per step from the keep counts
-    (`gather_mask`), equals the mask each layer built from its own page list before."""
+def test_ranked_pages_and_step_mask_read_the_selected_slots():
+    """The single-token gather path (`rank_pages`: own page first, no fill, no sort; the step's
+    `gather_mask`) reads exactly the slots that `select_pages` (ascending page list, its ``ok``
+    entries) selects, causally: random summaries, slots and budgets (dense rows too)."""
     from sparsecorr.decoding.cache import gather_mask
-    from sparsecorr.decoding.policies import select_pages
+    from sparsecorr.decoding.policies import rank_pages, select_pages, selection_plan
 
     g = torch.Generator().manual_seed(3)
     ps, n_pages, b, h = 4, 9, 5, 2
-    policy = BlockTopK(page_size=ps, keep_first_pages=1, keep_last_pages=2)
-    for _ in range(20):
-        slots = torch.randint(0, (n_pages - 1) * ps, (b, 1), generator=g)
-        budgets = torch.randint(-1, 5 * ps, (b, 1), generator=g)
-        query = torch.randn(b, h * 2, 1, 8, generator=g)
-        summ = torch.randn(b, h, n_pages, 8, generator=g)
-        pages, ok = select_pages(policy, summaries=summ, query=query, slots=slots, budgets=budgets, k=n_pages)
-        slot = (pages[:, :, 0, :, None] * ps + torch.arange(ps)).reshape(b, h, -1)
-        want = ok[:, :, 0, :, None].expand(-1, -1, -1, ps).reshape(b, h, -1) & (slot <= slots[:, :1, None])
-        from sparsecorr.decoding.policies import keep_counts
-
-        keep = keep_counts(policy, slots=slots, budgets=budgets)
-        got = gather_mask(keep, slots, k=pages.shape[-1], page_size=ps)
-        assert torch.equal(got.expand(b, h, -1), want)
+    for first, last in ((1, 2), (0, 1), (2, 3)):
+        policy = BlockTopK(page_size=ps, keep_first_pages=first, keep_last_pages=last)
+        for _ in range(20):
+            slots = torch.randint(0, (n_pages - 1) * ps, (b, 1), generator=g)
+            budgets = torch.randint(-1, 5 * ps, (b, 1), generator=g)
+            query = torch.randn(b, h * 2, 1, 8, generator=g)
+            summ = torch.randn(b, h, n_pages, 8, generator=g)
+            plan = selection_plan(policy, slots=slots, budgets=budgets, k=n_pages, n_pages=n_pages)
+            pages, ok = select_pages(policy, summaries=summ, query=query, plan=plan)
+            want = torch.zeros(b, h, n_pages * ps + ps, dtype=torch.bool)
+            slot = (pages[:, :, 0, :, None] * ps + torch.arange(ps)).reshape(b, h, -1)
+            read = ok[:, :, 0, :, None].expand(-1, -1, -1, ps).reshape(b, h, -1) & (slot <= slots[:, :1, None])
+            want.scatter_(2, torch.where(read, slot, n_pages * ps), True)
+            bias = plan.bias.expand(b, h, 1, n_pages).reshape(b * h, 1, n_pages)
+            top = rank_pages(summaries=summ, query=query, bias=bias, k=plan.k)
+            assert (top < n_pages).all()  # every entry can be gathered
+            slot = (top[:, :, 0, :, None] * ps + torch.arange(ps)).reshape(b, h, -1)
+            mask = gather_mask(plan.keep[:, :1], slots, k=plan.k, page_size=ps).expand(b, h, -1)
+            got = torch.zeros_like(want).scatter_(2, torch.where(mask, slot, n_pages * ps), True)
+            assert torch.equal(got[..., :-ps], want[..., :-ps])

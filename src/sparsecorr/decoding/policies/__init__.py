@@ -18,6 +18,7 @@ from .block_topk import (
     keep_counts,
     page_means,
     pages_to_mask,
+    rank_pages,
     select_pages,
     selection_plan,
 )
@@ -42,5 +43,5 @@ def get_policy(name: str, **kwargs: object) -> KVPolicy:
 __all__ = [
     "POLICIES", "RKV", "BlockTopK", "Dense", "KVPolicy", "KeepSet", "SelectionPlan", "SnapKV", "StreamingLLM",
     "compress", "get_policy", "group_scores", "keep_counts", "key_redundancy", "page_means",
-    "pages_to_mask", "pool_scores", "select_pages", "selection_plan",
+    "pages_to_mask", "pool_scores", "rank_pages", "select_pages", "selection_plan",
 ]

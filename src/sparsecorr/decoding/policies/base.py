@@ -39,6 +39,7 @@ class KVPolicy:
 
     name: ClassVar[str] = "base"
     kind: ClassVar[Kind] = "dense"
+    key_norms: ClassVar[bool] = False  # score takes the pool's key norms (``key_norms=``)
 
     @property
     def evicts(self) -> bool:
@@ -120,7 +121,7 @@ def window_votes(logits: torch.Tensor, valid: torch.Tensor, query_valid: torch.T
 
     \(\mathrm{imp}_j = \frac{1}{G}\sum_{g}\sum_{w} m_w\,\mathrm{softmax}_j(s\,q_{gw}\cdot k_j)\) over
     the valid keys (\(m_w\): ``query_valid``). Invalid keys get the float32 minimum as their bias
-    (``log valid`` clamped, instead of \(-\infty\): a row without a valid key gives no NaN) and
+    (instead of \(-\infty\): a row without a valid key gives no NaN) and
     receive exactly 0 probability in any row with a valid key. The sum over the window and the group is one GEMV of the
     probabilities with the weights \(m_w / G\).
 
@@ -129,7 +130,7 @@ def window_votes(logits: torch.Tensor, valid: torch.Tensor, query_valid: torch.T
         query_valid ``[B, W]`` or None -> ``[B, H_kv, S]`` float32.
     """
     b, h, gw, s = logits.shape
-    bias = torch.log(valid).clamp_(min=torch.finfo(torch.float32).min)[:, :, None, :]
+    bias = torch.where(valid, 0.0, torch.finfo(torch.float32).min)[:, :, None, :]  # float32 (one op)
     probs = torch.add(bias, logits, alpha=scale).softmax(dim=-1)
     if query_valid is None:
         wts = torch.full((1, 1, 1, gw), 1.0 / group, device=logits.device)
@@ -177,8 +178,9 @@ def _protected(policy: KVPolicy, valid: torch.Tensor, rank: torch.Tensor) -> tor
 
 def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
              positions: torch.Tensor, budget: int | torch.Tensor,
-             query_valid: torch.Tensor | None = None, max_budget: int | None = None) -> KeepSet:
-    """Keep the ``budget`` best-scored valid slots of every (sequence, KV head).
+             query_valid: torch.Tensor | None = None, max_budget: int | None = None,
+             key_norms: torch.Tensor | None = None) -> KeepSet:
+    r"""Keep the ``budget`` best-scored valid slots of every (sequence, KV head).
 
     Sinks and the recent window always survive; invalid slots never do; equal scores are
     broken in favour of the more recent position. The budget is a hard cap: if it is smaller
@@ -187,6 +189,9 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     marks the real observation-window queries; it is passed to ``policy.score`` only when given.
     ``max_budget`` (the host-known maximum of ``budget``) lets a caller pass ``budget`` already on
     the device without a sync (the engine moves its budgets once per compression, not per layer).
+    ``key_norms`` (``[B, H_kv, S]`` float32, \(\lVert k_j\rVert\) with float32 accumulation, as the
+    engine's pool keeps them: `sparsecorr.decoding.pool.KVPool.add_key_norms`) is passed to
+    ``policy.score`` only when given, and only policies with ``key_norms = True`` (R-KV) take it.
 
     **Slot order is position order**: the valid slots of a row must hold increasing positions
     (the engine's pool keeps this: compaction keeps the kept slots in position order and new
@@ -204,6 +209,8 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     k = int(min(top_budget, s))
     budgets = budgets.to(valid.device, non_blocking=True).expand(b)
     extra = {} if query_valid is None else {"query_valid": query_valid}
+    if key_norms is not None:
+        extra["key_norms"] = key_norms
     scores = policy.score(keys=keys, queries=queries, valid=valid, positions=positions, **extra)
     # ties (frequent after max pooling) go to the more recent token, by true position, so the
     # kept set does not depend on where a row's tokens sit in the slot axis (padding, batching)

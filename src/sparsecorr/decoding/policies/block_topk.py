@@ -25,8 +25,8 @@ import torch
 
 from .base import Kind, KVPolicy, check_int, matmul_f32
 
-__all__ = ["BlockTopK", "SelectionPlan", "keep_counts", "page_means", "pages_to_mask", "select_pages",
-           "selection_plan"]
+__all__ = ["FORCED", "BlockTopK", "SelectionPlan", "group_query", "keep_counts", "page_means", "pages_to_mask",
+           "rank_pages", "select_pages", "selection_plan"]
 
 
 @dataclass(frozen=True)
@@ -104,15 +104,21 @@ def keep_counts(policy: BlockTopK, *, slots: torch.Tensor, budgets: torch.Tensor
     return torch.where(budgets < 0, n_pages, torch.minimum(want, n_pages))
 
 
+FORCED = 2.0**100  # a forced page's bias: any page score (|score| < 2**76) added to it rounds to it
+
+
 @dataclass(frozen=True)
 class SelectionPlan:
-    """What a decode step's page selection shares across its sparse layers (computed once per
+    r"""What a decode step's page selection shares across its sparse layers (computed once per
     step by `selection_plan`).
 
     Shapes:
         keep ``[B, Q]`` long: pages each query keeps; ok ``[B, 1, Q, k]`` bool: top-k ranks below
-        ``keep`` (the selected entries of each query's page list), drop: its complement; bias ``[B, 1, Q, P]`` float32: ``+inf`` on the forced
-        pages, ``-inf`` on pages after the query's own, 0 elsewhere; ``k`` and ``P`` host ints.
+        ``keep`` (the selected entries of each query's page list), drop: its complement; bias
+        ``[B, 1, Q, P]`` float32: ``FORCED`` (\(2^{100}\)) on the forced pages, ``2 · FORCED`` on
+        the query's own page, ``-inf`` on pages after it, 0 elsewhere (a score plus ``FORCED`` is
+        ``FORCED`` exactly, so every forced page outranks every other and the query's own page
+        ranks first: `rank_pages` relies on it); ``k`` and ``P`` host ints.
     """
 
     keep: torch.Tensor
@@ -143,9 +149,9 @@ def selection_plan(policy: BlockTopK, *, slots: torch.Tensor, budgets: torch.Ten
     page = torch.arange(n_pages, device=dev)
     current = (slots // policy.page_size)[:, None, :, None]  # [B, 1, Q, 1]
     forced = (page < policy.keep_first_pages) | (page > current - policy.keep_last_pages)
-    bias = torch.zeros(forced.shape, device=dev).masked_fill_(forced, torch.inf)
-    return SelectionPlan(keep=keep, ok=~drop, drop=drop, bias=bias.masked_fill_(page > current, -torch.inf), k=k,
-                         n_pages=n_pages)
+    bias = torch.zeros(forced.shape, device=dev).masked_fill_(forced, FORCED)
+    bias = bias.masked_fill_(page == current, 2 * FORCED).masked_fill_(page > current, -torch.inf)
+    return SelectionPlan(keep=keep, ok=~drop, drop=drop, bias=bias, k=k, n_pages=n_pages)
 
 
 def select_pages(policy: BlockTopK, *, summaries: torch.Tensor, query: torch.Tensor,
@@ -160,10 +166,10 @@ def select_pages(policy: BlockTopK, *, summaries: torch.Tensor, query: torch.Ten
     mean over its KV group's query heads) for the remaining places of
     [`keep_counts`][sparsecorr.decoding.policies.block_topk.keep_counts].
 
-    Per layer this is a GEMM of the group's queries against the summaries as stored (float32
-    accumulation, no float32 copy of the summaries where the backend has a mixed-precision GEMM:
-    `matmul_f32`), the group mean, the plan's
-    bias (forced pages and future pages), a top-k, and a sort of the page ids; everything that
+    Per layer this is the group mean of the queries (float32, `group_query`: the score is linear
+    in the query, so the mean of the group's scores is the score of the group's mean query), a
+    GEMM against the summaries as stored (`matmul_f32`), the plan's bias (forced pages and
+    future pages), a top-k, and a sort of the page ids; everything that
     depends on the step only is in ``plan`` (built here from ``slots``, ``budgets`` and ``k`` when
     not given; an engine builds it once per step with
     `selection_plan`).
@@ -183,16 +189,53 @@ def select_pages(policy: BlockTopK, *, summaries: torch.Tensor, query: torch.Ten
         pages ``[B, H_kv, Q, k]`` (ascending; unused entries last, set to P) and ok
         ``[B, H_kv, Q, k]`` bool.
     """
-    b, h, n_pages, d = summaries.shape
+    b, h, n_pages, _ = summaries.shape
     q_len = query.shape[2]
-    g = query.shape[1] // h
     if plan is None:
         plan = selection_plan(policy, slots=slots, budgets=budgets, k=k, n_pages=n_pages)
-    logits = matmul_f32(query.reshape(b, h, g * q_len, d), summaries.transpose(-1, -2))  # [B, H, G·Q, P]
-    score = logits.reshape(b, h, g, q_len, n_pages).mean(2) + plan.bias
+    score = matmul_f32(group_query(query, h), summaries.transpose(-1, -2)) + plan.bias  # [B, H, Q, P]
     top = score.topk(plan.k, dim=-1).indices
     pages = top.masked_fill_(plan.drop, n_pages).sort(-1).values
     return pages, plan.ok.expand(b, h, q_len, plan.k)
+
+
+def group_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    r"""The mean query of each KV group, in float32 (one op):
+    \(\bar q_{h} = \frac{1}{G}\sum_{g} q_{hG+g}\).
+
+    Shapes:
+        query ``[B, H_kv · G, Q, D]`` -> ``[B, H_kv, Q, D]`` float32.
+    """
+    b, hq, q_len, d = query.shape
+    return query.reshape(b, kv_heads, hq // kv_heads, q_len, d).mean(2, dtype=torch.float32)
+
+
+def rank_pages(*, summaries: torch.Tensor, query: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    r"""A single-token step's top-``k`` pages of one sparse layer, **the query's own page
+    first**, then the other kept pages by score: three ops (the group-mean query, one
+    ``baddbmm`` of it against the float32 summaries with the step's bias, a top-k).
+
+    The same selection as [`select_pages`][sparsecorr.decoding.policies.block_topk.select_pages]
+    (its first ``keep`` entries, as a set) without the fill and the sort: the plan's bias puts
+    the query's own page (``2 · FORCED``) first and the other forced pages (``FORCED``) before
+    every scored page, so a caller that knows ``keep`` per row (the plan) reads entries
+    ``[0, keep)`` and ignores the rest (valid page ids below ``P``, so they can be gathered).
+
+    Args:
+        summaries: the running float32 page sums ``[B, H_kv, P, D]`` (contiguous).
+        query: ``[B, H_q, Q, D]``.
+        bias: the plan's bias per (row, KV head): ``[B · H_kv, Q, P]`` float32 (built once per
+            step from `SelectionPlan.bias`).
+        k: the plan's ``k``.
+
+    Shapes:
+        -> ``[B, H_kv, Q, k]`` long.
+    """
+    b, h, n_pages, d = summaries.shape
+    q_bar = group_query(query, h)
+    q_len = q_bar.shape[2]
+    score = torch.baddbmm(bias, q_bar.reshape(b * h, q_len, d), summaries.reshape(b * h, n_pages, d).transpose(1, 2))
+    return score.topk(k, dim=-1).indices.reshape(b, h, q_len, k)
 
 
 def pages_to_mask(pages: torch.Tensor, ok: torch.Tensor, *, page_size: int, slots: int) -> torch.Tensor:

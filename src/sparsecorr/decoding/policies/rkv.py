@@ -22,38 +22,57 @@ from .snapkv import check_window_policy, pool_scores
 __all__ = ["RKV", "key_redundancy", "rkv_parts"]
 
 
+def _valid_range(x: torch.Tensor, valid: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of ``x`` over the valid slots of each row (``first``: a valid slot's index, or
+    any slot in a row without one): the invalid entries are replaced by a valid one (which
+    changes neither) and one ``aminmax`` reads the row, so no ``±inf`` fill per bound.
+
+    Shapes:
+        x, valid ``[B, H, S]``; first ``[B, H, 1]`` long -> two ``[B, H, 1]``.
+    """
+    lo, hi = torch.where(valid, x, x.gather(-1, first)).aminmax(dim=-1, keepdim=True)
+    return lo, hi
+
+
 def mix_minmax(imp: torch.Tensor, red: torch.Tensor, valid: torch.Tensor, *, mix: float) -> torch.Tensor:
     r"""\(\mathrm{mix}\cdot\hat{\mathrm{imp}} - (1-\mathrm{mix})\cdot\hat{\mathrm{red}}\), each term
     min-max normalised over the valid slots of its (sequence, head): \(\hat x = (x - \min x) /
-    \max(\max x - \min x, 10^{-12})\); 0 at invalid slots. Both terms are normalised together
-    (stacked), and the mix is one ``lerp``: \(-\hat r + \mathrm{mix}\,(\hat i + \hat r)\).
+    \max(\max x - \min x, 10^{-12})\); 0 at invalid slots. Computed as
+    \((i - \min i)\,a_i + (r - \min r)\,a_r\) with the per-row factors
+    \(a_i = \mathrm{mix} / \mathrm{range}_i\), \(a_r = -(1 - \mathrm{mix}) / \mathrm{range}_r\):
+    four ``[B, H, S]`` ops after the two masked ranges (`_valid_range`), the same values to
+    float rounding.
 
     Shapes:
         imp, red, valid ``[B, H, S]`` -> ``[B, H, S]`` float32.
     """
-    x = torch.stack([imp, red])  # [2, B, H, S]
-    invalid = ~valid
-    hi = x.masked_fill(invalid, -torch.inf).amax(-1, keepdim=True)
-    lo = x.masked_fill(invalid, torch.inf).amin(-1, keepdim=True)
-    z = (x - lo) / (hi - lo).clamp(min=1e-12)
-    return torch.lerp(-z[1], z[0], mix).masked_fill(invalid, 0.0)
+    first = valid.to(torch.uint8).argmax(-1, keepdim=True)  # a valid slot of each row (0 if none)
+    lo_i, hi_i = _valid_range(imp, valid, first)
+    lo_r, hi_r = _valid_range(red, valid, first)
+    a_i = mix / (hi_i - lo_i).clamp(min=1e-12)
+    a_r = -(1.0 - mix) / (hi_r - lo_r).clamp(min=1e-12)
+    score = torch.addcmul((imp - lo_i) * a_i, red - lo_r, a_r)
+    return score.masked_fill_(~valid, 0.0)
 
 
 _EPS = 1e-12  # F.normalize's floor on a key's norm (a zero key has unit key 0)
 
 
-def _unit_sum(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _unit_sum(keys: torch.Tensor, valid: torch.Tensor,
+              norms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Norms, per-slot weights and the sum of the unit keys, from the keys as stored.
 
     \(n_j = \lVert k_j\rVert\) (float32 accumulation), \(w_j = \mathrm{valid}_j / \max(n_j, \epsilon)\)
     and \(s = \sum_j w_j k_j = \sum_{j\ \mathrm{valid}} \hat k_j\): one norm pass and one GEMV over
     the keys (the float32 weights split into two bf16 rows for a bf16 cache, see
-    `split_rows`).
+    `split_rows`). Given ``norms`` (kept by the pool as the keys are written), the norm pass is
+    skipped and the keys are read once here.
 
     Shapes:
-        keys ``[B, H, S, D]``; valid ``[B, H, S]`` -> n, w ``[B, H, S]`` and s ``[B, H, 1, D]`` float32.
+        keys ``[B, H, S, D]``; valid ``[B, H, S]``; norms ``[B, H, S]`` float32 or None -> n, w
+        ``[B, H, S]`` and s ``[B, H, 1, D]`` float32.
     """
-    n = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
+    n = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32) if norms is None else norms
     w = valid / n.clamp(min=_EPS)
     s = merge_rows(matmul_f32(split_rows(w[:, :, None, :], keys.dtype), keys), 1)
     return n, w, s
@@ -94,21 +113,24 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def rkv_parts(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
-              query_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              query_valid: torch.Tensor | None = None,
+              norms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     r"""R-KV's two raw terms with the keys read three times in all: SnapKV's votes
     (`group_scores`) and
     \((n-1)\) × [`key_redundancy`][sparsecorr.decoding.policies.key_redundancy] (the per-row
     factor cancels in the min-max normalisation). The sum of unit keys \(s\) rides as extra rows
     of the observation-window queries, so one GEMM gives the logits and every \(k_j \cdot s\).
+    With the key ``norms`` given (the engine's pool keeps them), twice.
 
     Shapes:
         keys ``[B, H_kv, S, D]``; queries ``[B, H_q, W, D]``; valid ``[B, H_kv, S]``;
-        query_valid ``[B, W]`` or None -> two ``[B, H_kv, S]`` float32.
+        query_valid ``[B, W]`` or None; norms ``[B, H_kv, S]`` float32 or None -> two
+        ``[B, H_kv, S]`` float32.
     """
     b, hq, w, d = queries.shape
     hkv = keys.shape[1]
     g = hq // hkv
-    n, wt, s = _unit_sum(keys, valid)
+    n, wt, s = _unit_sum(keys, valid, norms)
     # (queries of another dtype than the keys promote the rows; matmul_f32 then upcasts both)
     rows = torch.cat([queries.reshape(b, hkv, g * w, d), split_rows(s, keys.dtype)], dim=-2)
     out = matmul_f32(rows, keys.transpose(-1, -2))  # [B, H, G·W + 1 or 2, S]
@@ -124,6 +146,7 @@ class RKV(KVPolicy):
 
     name: ClassVar[str] = "rkv"
     kind: ClassVar[Kind] = "eviction"
+    key_norms: ClassVar[bool] = True
     window: int = 8
     kernel: int = 7
     mix: float = 0.1
@@ -135,7 +158,7 @@ class RKV(KVPolicy):
             raise ValueError(f"mix: expected a number in [0, 1], got {self.mix!r}")
         check_window_policy(self)
 
-    def score(self, *, keys, queries, valid, positions, query_valid=None) -> torch.Tensor:
-        votes, red = rkv_parts(keys, queries, valid, query_valid)
+    def score(self, *, keys, queries, valid, positions, query_valid=None, key_norms=None) -> torch.Tensor:
+        votes, red = rkv_parts(keys, queries, valid, query_valid, key_norms)
         imp = pool_scores(votes, kernel=self.kernel, pooling="max")
         return mix_minmax(imp, red, valid, mix=self.mix)
