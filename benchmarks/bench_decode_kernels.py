@@ -357,7 +357,18 @@ def _event_pool(policy, shape: dict, device: str, layers: int):
             pool.pos[i].copy_(torch.arange(pool.pos[i].shape[-1]))
         if getattr(pool, "norms_all", None) is not None:  # the norms the writes would have stored
             pool.add_key_norms(torch.arange(pool.k[0].shape[2], device=device).expand(b, -1))
+    if getattr(pool, "unit_sum_all", None) is not None:  # steady state: the unit sums cover all
+        done = s - policy.buffer  # but the `buffer` tokens decoded since the last event
+        pool.sync_unit_sums(torch.full((b,), done, device=device), low=done, high=done)
     return pool, cache
+
+
+def _counted(fn, counter: KernelCounter):
+    """``fn`` run under its own (nested) ``counter`` as well."""
+    def run(*args, **kw):
+        with counter:
+            return fn(*args, **kw)
+    return run
 
 
 def event_counts(policy, shape: dict, device: str, layers: int) -> dict:
@@ -372,6 +383,12 @@ def event_counts(policy, shape: dict, device: str, layers: int) -> dict:
     if pool.win is not None:
         order = (torch.full((b,), s)[:, None] + torch.arange(pool.window)) % pool.window
         order = order.to(device)
+    # R-KV's unit-key sums kept in the pool: counted in the event, and apart (a nested counter)
+    unit = {}
+    for name in ("sync_unit_sums", "keep_unit_sums"):
+        if getattr(pool, "unit_sum_all", None) is not None:
+            unit[name] = KernelCounter()
+            setattr(pool, name, _counted(getattr(pool, name), unit[name]))
     counter = KernelCounter()
     with counter:
         cache.compress(budgets, counts, None, order=order)
@@ -382,7 +399,9 @@ def event_counts(policy, shape: dict, device: str, layers: int) -> dict:
     scoring = counter.bytes - sum(comp.values())
     return {"ops": counter.total / layers, "bytes": scoring / layers, "key_bytes": key_bytes / layers,
             "ratio": scoring / key_bytes, "compaction_ops": comp_ops / layers,
-            "compaction_bytes": sum(comp.values()) / layers, "by_op": dict(counter.by_op), "layers": layers}
+            "compaction_bytes": sum(comp.values()) / layers,
+            "unit_sums": {k: {"ops": c.total / layers, "ratio": c.bytes / key_bytes} for k, c in unit.items()},
+            "by_op": dict(counter.by_op), "layers": layers}
 
 
 def compaction_counts(shape: dict, layers: int = 1) -> dict:
@@ -527,6 +546,9 @@ def print_tables(result: dict) -> None:
         if r.get("event") and "compaction_ops" in m:
             print(f"- {r['policy']}: MiB and / keys without the compaction; the compaction adds "
                   f"{_fmt(m['compaction_ops'])} ops and {m['compaction_bytes'] / 2**20:.0f} MiB per layer (CUDA ops)")
+            for name, u in m.get("unit_sums", {}).items():
+                print(f"  - of which `KVPool.{name}` (R-KV's unit-key sums kept in the pool): "
+                      f"{_fmt(u['ops'])} ops, {u['ratio']:.2f}x the keys per layer (CUDA ops)")
     if result.get("cuda"):
         print("\n## CUDA: kernels per decode step (torch.profiler)\n")
         print(table(["policy", "layers", "cuda_graph", "fused", "kernels/step"],

@@ -197,7 +197,10 @@ class SparseKVCache(CacheBase):
         if pool.unit_sum_all is not None:  # R-KV's unit-key sums (stacked pool: one group of every layer)
             pool.sync_unit_sums(counts, low=int(counts_host.min()), high=s)  # up to this event's counts
             after = torch.minimum(counts_host, budgets_host)  # the valid slots per row after it
-            after = (after.to(dev, non_blocking=True), int(after.min()))
+            # drop the evicted keys' unit sum (gathered: ~3 reads / writes of each) or sum the
+            # kept keys (one read), whichever touches fewer keys
+            evicted = int((counts_host - after).max())
+            after = (after.to(dev, non_blocking=True), int(after.min()), evicted if 3 * evicted < top else -1)
         kept = [self._compress_layers(range(lo, min(lo + group, n)), s=s, top=top, budgets=budgets, counts=counts,
                                       query_valid=query_valid, forced=forced, due=due, record=record, order=order,
                                       after=after)
@@ -210,7 +213,8 @@ class SparseKVCache(CacheBase):
         the batch axis (``[n·B, ...]``, layer-major; each (row, head) is scored and kept on its
         own, so nothing mixes layers). Returns the kept positions ``[B, n, H_kv, K]`` if
         ``record``. ``after`` (R-KV's pool, every layer in this call): the valid slots per row
-        after the event (device) and their host minimum, for the kept keys' unit sums."""
+        after the event (device), their host minimum, and the most keys a row evicts (host; -1:
+        sum the kept keys instead), for the pool's unit-key sums."""
         pool, n, lo, hi = self.pool, len(layers), layers.start, layers.stop
         b, h = pool.pos_all.shape[1:3]
         valid = (torch.arange(s, device=counts.device) < counts.repeat(n)[:, None])[:, None, :].expand(n * b, h, s)
@@ -236,9 +240,13 @@ class SparseKVCache(CacheBase):
         kept = None
         if record:
             kept = torch.where(keep.valid, positions.gather(-1, keep.index), -1).reshape(n, b, h, -1).transpose(0, 1)
-        pool.compact_all(keep.index.reshape(n, b, h, -1), lo)
-        if after is not None:
-            pool.keep_unit_sums(keep.valid.reshape(n, b, h, -1), after[0], low=after[1])
+        index, kept_valid = keep.index.reshape(n, b, h, -1), keep.valid.reshape(n, b, h, -1)
+        if after is not None and after[2] >= 0:
+            pool.drop_unit_sums(valid.reshape(n, b, h, s), index, kept_valid, evicted=after[2], counts=after[0],
+                                low=after[1])
+        pool.compact_all(index, lo)
+        if after is not None and after[2] < 0:
+            pool.keep_unit_sums(kept_valid, after[0], low=after[1])
         return kept
 
 

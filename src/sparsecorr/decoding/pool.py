@@ -194,6 +194,28 @@ class KVPool:
             self.unit_sum_all += self._unit_weighted_sum(w, lo)
         self.unit_upto, self.unit_lo = counts, low
 
+    def drop_unit_sums(self, valid: torch.Tensor, index: torch.Tensor, kept: torch.Tensor, *, evicted: int,
+                       counts: torch.Tensor, low: int) -> None:
+        r"""Before a compaction (`compact_all`), take the evicted keys out of the unit sums:
+        \(s \mathrel{-}= \sum_{j\ \mathrm{valid},\ j \notin \mathrm{kept}} k_j / \max(n_j, 10^{-12})\),
+        gathering only the (at most ``evicted`` per row and head) evicted keys: a decode's
+        compression evicts about ``buffer`` keys of ``budget + buffer``, so this touches a few
+        percent of the keys (the engine takes `keep_unit_sums` instead where the kept set is
+        the smaller). The sums then drift from a recomputation by float rounding only.
+
+        Shapes:
+            valid ``[L, B, H_kv, S]`` (valid before); index, kept ``[L, B, H_kv, K]`` (the kept
+            set: slots and valid entries); counts ``[B]`` (device long, valid slots per row after
+            the compaction); ``low``: their host minimum.
+        """
+        in_kept = torch.zeros(valid.shape, dtype=torch.int32, device=valid.device).scatter_add_(-1, index, kept.int())
+        gone = valid & (in_kept == 0)  # evicted: valid and not kept
+        ev = gone.to(torch.uint8).topk(evicted, dim=-1).indices  # [L, B, H, E]: the evicted slots first
+        w = gone.gather(-1, ev) / self.norms_all[..., :valid.shape[-1]].gather(-1, ev).clamp(min=1e-12)
+        keys = self.k_all.gather(3, ev[..., None].expand(*ev.shape, self.k_all.shape[-1]))
+        self.unit_sum_all -= merge_rows(matmul_f32(split_rows(w[..., None, :], keys.dtype), keys), 1)[..., 0, :]
+        self.unit_upto, self.unit_lo = counts, low
+
     def keep_unit_sums(self, valid: torch.Tensor, counts: torch.Tensor, *, low: int) -> None:
         r"""After a compaction (`compact_all`), the unit sums of the kept keys:
         \(s = \sum_{j < K} \mathrm{valid}_j\, k_j / \max(n_j, 10^{-12})\) over the compacted front

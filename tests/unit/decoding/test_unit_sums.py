@@ -23,9 +23,13 @@ def _recomputed(pool, counts: torch.Tensor) -> torch.Tensor:
     return (unit * valid[None, :, None, :, None]).sum(3)
 
 
-@pytest.mark.parametrize(("dtype", "graphs"), [(torch.float32, False), (torch.bfloat16, True)],
-                         ids=["f32-eager", "bf16-graph-runner"])
-def test_pool_unit_sums_equal_the_recomputed_sum_at_every_event(monkeypatch, dtype, graphs):
+@pytest.mark.parametrize(("dtype", "graphs", "budget", "buffer"),
+                         [(torch.float32, False, 16, 4), (torch.bfloat16, True, 16, 4), (torch.bfloat16, False, 8, 12)],
+                         ids=["f32-eager-drop-evicted", "bf16-graph-runner-drop-evicted", "bf16-sum-kept"])
+def test_pool_unit_sums_equal_the_recomputed_sum_at_every_event(monkeypatch, dtype, graphs, budget, buffer):
+    """Budget 16, buffer 4: each event evicts 4 of 20 keys, taken out of the sum
+    (`KVPool.drop_unit_sums`, so rounding accumulates over the events); budget 8, buffer 12: it
+    evicts 12 of 20, and the kept keys' sum is taken instead (`KVPool.keep_unit_sums`)."""
     model = tiny_model("qwen3", num_layers=2, dtype=dtype)
     ids = torch.randint(3, 128, (3, 12), generator=torch.Generator().manual_seed(0))
     lens = torch.tensor([12, 5, 9])  # ragged: rows 1 and 2 pad the prefill chunk
@@ -35,10 +39,10 @@ def test_pool_unit_sums_equal_the_recomputed_sum_at_every_event(monkeypatch, dty
     def checking(self, budgets, counts, *args, **kw):
         out = compress(self, budgets, counts, *args, **kw)
         pool, after = self.pool, torch.minimum(counts, budgets)  # after the event: the kept keys' sum
-        # the kept keys' sum (each term's relative error: ~2^-17 from the weights' split into two
-        # bf16 rows, ~2^-24 float32 rounding; at most ~20 unit terms of norm 1 per row): 1e-4
-        # is far below one unit key (norm 1), which a padding key added or an evicted key not
-        # subtracted would change the sum by
+        # each unit term's error: ~2^-17 relative from the weights' split into two bf16 rows,
+        # ~2^-24 float32 rounding; dropping evicted keys adds and subtracts ~300 terms over the
+        # decode, so the error grows to ~1e-5 (measured: 1.7e-5 at most); 1e-4 is far below one unit
+        # key (norm 1), which a padding key added or an evicted key not subtracted would change
         torch.testing.assert_close(pool.unit_sum_all.double(), _recomputed(pool, after), rtol=0, atol=1e-4)
         assert torch.equal(pool.unit_upto, after)
         checked.append(int((counts > after).sum()))
@@ -54,9 +58,14 @@ def test_pool_unit_sums_equal_the_recomputed_sum_at_every_event(monkeypatch, dty
 
     monkeypatch.setattr(SparseKVCache, "compress", checking)
     monkeypatch.setattr(KVPool, "sync_unit_sums", checking_sync)
-    policy = RKV(window=4, buffer=4)
-    decode_steps(model, ids, policy, 16, graphs=graphs, steps=210, lens=lens)
-    assert len(synced) == len(checked) >= 40 and sum(checked) >= 100  # many events, every row compressed many times
+    routes = []
+    for name in ("drop_unit_sums", "keep_unit_sums"):
+        fn = getattr(KVPool, name)
+        monkeypatch.setattr(KVPool, name, lambda self, *a, _fn=fn, _name=name, **kw: (routes.append(_name),
+                                                                                     _fn(self, *a, **kw))[1])
+    decode_steps(model, ids, RKV(window=4, buffer=buffer), budget, graphs=graphs, steps=210, lens=lens)
+    assert set(routes) == {"drop_unit_sums" if buffer < budget else "keep_unit_sums"}
+    assert len(synced) == len(checked) >= 15 and sum(checked) >= 40  # many events, every row compressed many times
 
 
 def test_unit_sums_follow_row_selection_and_catch_up():
