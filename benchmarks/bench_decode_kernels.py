@@ -77,6 +77,7 @@ _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided
          "record_stream", "_has_compatible_shallow_copy_type", "result_type", "is_nonzero"}
 TARGET_STEP = {"Dense": 5, "StreamingLLM": 4, "SnapKV": 5, "RKV": 5, "BlockTopK": 10}
 TARGET_RKV_KERNELS, TARGET_RKV_BYTES = 25, 4.0
+_GATHERS = {"gather", "index_select"}  # (source, dim, index): see KernelCounter.bytes_gathered
 TARGET_FUSED = 16  # launches per layer of the fused step (eviction policies)
 
 
@@ -121,6 +122,9 @@ class KernelCounter(TorchDispatchMode):
         self.by_where: Counter = Counter()
         self.by_op: Counter = Counter()
         self.bytes_where: Counter = Counter()
+        # the same with a gather's source counted as the elements it reads (`bytes` counts all of it)
+        self.bytes_gathered = 0
+        self.bytes_gathered_where: Counter = Counter()
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -136,6 +140,10 @@ class KernelCounter(TorchDispatchMode):
         moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
         self.bytes += moved
         self.bytes_where[where] += moved
+        if name in _GATHERS:  # the kernel reads the index and only the gathered elements of its source
+            moved = 2 * _nbytes(out) + _nbytes(args[2])
+        self.bytes_gathered += moved
+        self.bytes_gathered_where[where] += moved
         return out
 
     @property
@@ -371,12 +379,13 @@ def _counted(fn, counter: KernelCounter):
     return run
 
 
-def event_counts(policy, shape: dict, device: str, layers: int) -> dict:
+def event_counts(policy, shape: dict, device: str, layers: int, *, steady: bool = False) -> dict:
     """Ops of one compression event of a ``layers``-deep pool (``SparseKVCache.compress``: scoring,
     kept sets and the compaction of every layer), per layer; its bytes without the compaction
     (reported apart) per layer, and against the bf16 keys of all layers."""
     b, s = shape["b"], shape["s"]
-    budget = s // 2 - getattr(policy, "buffer", 0)
+    # the table's event halves the cache; ``steady``: the decode's event, from budget + buffer to budget
+    budget = s - policy.buffer if steady else s // 2 - getattr(policy, "buffer", 0)
     budgets, counts = torch.full((b,), budget), torch.full((b,), s)
     pool, cache = _event_pool(policy, shape, device, layers)
     order = None
@@ -385,7 +394,7 @@ def event_counts(policy, shape: dict, device: str, layers: int) -> dict:
         order = order.to(device)
     # R-KV's unit-key sums kept in the pool: counted in the event, and apart (a nested counter)
     unit = {}
-    for name in ("sync_unit_sums", "keep_unit_sums"):
+    for name in ("sync_unit_sums", "drop_unit_sums", "keep_unit_sums"):
         if getattr(pool, "unit_sum_all", None) is not None:
             unit[name] = KernelCounter()
             setattr(pool, name, _counted(getattr(pool, name), unit[name]))
@@ -397,10 +406,14 @@ def event_counts(policy, shape: dict, device: str, layers: int) -> dict:
     comp = {k: v for k, v in counter.bytes_where.items() if k.startswith("decoding/pool.py:compact")}
     comp_ops = sum(v for (_, k), v in counter.by_where.items() if k.startswith("decoding/pool.py:compact"))
     scoring = counter.bytes - sum(comp.values())
+    comp_g = sum(v for k, v in counter.bytes_gathered_where.items() if k.startswith("decoding/pool.py:compact"))
+    scoring_g = counter.bytes_gathered - comp_g
     return {"ops": counter.total / layers, "bytes": scoring / layers, "key_bytes": key_bytes / layers,
             "ratio": scoring / key_bytes, "compaction_ops": comp_ops / layers,
             "compaction_bytes": sum(comp.values()) / layers,
-            "unit_sums": {k: {"ops": c.total / layers, "ratio": c.bytes / key_bytes} for k, c in unit.items()},
+            "ratio_gathered": scoring_g / key_bytes, "compaction_bytes_gathered": comp_g / layers,
+            "unit_sums": {k: {"ops": c.total / layers, "ratio": c.bytes / key_bytes,
+                              "ratio_gathered": c.bytes_gathered / key_bytes} for k, c in unit.items()},
             "by_op": dict(counter.by_op), "layers": layers}
 
 
@@ -444,6 +457,10 @@ def compress_table(smoke: bool) -> list[dict]:
         rows.append({"policy": f"{name}, event of {EVENT_LAYERS} layers (cache.compress), per layer", "shape": shape,
                      "event": True, "cpu": event_counts(pol, shape, "cpu", 2),
                      "meta": event_counts(pol, shape, "meta", EVENT_LAYERS)})
+    rows.append({"policy": f"RKV, decode's event (S = budget + buffer: evicts {RKV().buffer} of {shape['s']}) of "
+                           f"{EVENT_LAYERS} layers, per layer", "shape": shape, "event": True,
+                 "cpu": event_counts(RKV(), shape, "cpu", 2, steady=True),
+                 "meta": event_counts(RKV(), shape, "meta", EVENT_LAYERS, steady=True)})
     rows.append({"policy": "compaction (pool.py), 1 layer", "shape": shape, "cpu": compaction_counts(shape)})
     rows.append({"policy": "compaction (pool.py), 4 layers in one call, per layer", "shape": shape,
                  "cpu": compaction_counts(shape, 4)})

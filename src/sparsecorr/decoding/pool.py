@@ -208,8 +208,10 @@ class KVPool:
             set: slots and valid entries); counts ``[B]`` (device long, valid slots per row after
             the compaction); ``low``: their host minimum.
         """
-        in_kept = torch.zeros(valid.shape, dtype=torch.int32, device=valid.device).scatter_add_(-1, index, kept.int())
-        gone = valid & (in_kept == 0)  # evicted: valid and not kept
+        s = valid.shape[-1]  # the kept slots marked True (dropped entries into a dump column s)
+        in_kept = torch.zeros(*valid.shape[:-1], s + 1, dtype=torch.bool, device=valid.device)
+        in_kept.scatter_(-1, torch.where(kept, index, s), True)
+        gone = valid & ~in_kept[..., :s]  # evicted: valid and not kept
         ev = gone.to(torch.uint8).topk(evicted, dim=-1).indices  # [L, B, H, E]: the evicted slots first
         w = gone.gather(-1, ev) / self.norms_all[..., :valid.shape[-1]].gather(-1, ev).clamp(min=1e-12)
         keys = self.k_all.gather(3, ev[..., None].expand(*ev.shape, self.k_all.shape[-1]))
