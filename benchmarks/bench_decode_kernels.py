@@ -562,10 +562,12 @@ def print_tables(result: dict) -> None:
         m = r.get("meta", {})
         if r.get("event") and "compaction_ops" in m:
             print(f"- {r['policy']}: MiB and / keys without the compaction; the compaction adds "
-                  f"{_fmt(m['compaction_ops'])} ops and {m['compaction_bytes'] / 2**20:.0f} MiB per layer (CUDA ops)")
+                  f"{_fmt(m['compaction_ops'])} ops and {m['compaction_bytes'] / 2**20:.0f} MiB per layer (CUDA ops); "
+                  f"counting only the elements a gather reads: {m['ratio_gathered']:.2f}x the keys")
             for name, u in m.get("unit_sums", {}).items():
                 print(f"  - of which `KVPool.{name}` (R-KV's unit-key sums kept in the pool): "
-                      f"{_fmt(u['ops'])} ops, {u['ratio']:.2f}x the keys per layer (CUDA ops)")
+                      f"{_fmt(u['ops'])} ops, {u['ratio']:.2f}x the keys per layer "
+                      f"({u['ratio_gathered']:.2f}x counting the elements gathered) (CUDA ops)")
     if result.get("cuda"):
         print("\n## CUDA: kernels per decode step (torch.profiler)\n")
         print(table(["policy", "layers", "cuda_graph", "fused", "kernels/step"],

@@ -23,7 +23,9 @@ page summaries): every layer's new keys are added to their pages once per step, 
 layer's write (`KVPool.add_page_sums`: one gather, one cast, one ``scatter_add_`` at page indices
 built once per step; per layer in `KVPool.write` where the cache asks for it), so no summary is
 ever recomputed from the cache. R-KV's compressions read every key's norm, which the pool keeps
-the same way (`KVPool.track_norms`, `KVPool.add_key_norms`). With autograd on (``grad=True``) every K/V update
+the same way (`KVPool.track_norms`, `KVPool.add_key_norms`), and their sum of unit keys, brought
+up to date at each compression over the slots written since the last one and the evicted ones
+only (`KVPool.sync_unit_sums`, `KVPool.drop_unit_sums`). With autograd on (``grad=True``) every K/V update
 is out of place, so earlier attention calls keep the tensors they read: K and V are then separate
 per-layer tensors (``k_all``, ``v_all`` None; a compression stacks the detached keys and compacts
 layer by layer). Windows, positions and page sums are stacked in both modes (written in place,
