@@ -77,6 +77,7 @@ _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided
          "record_stream", "_has_compatible_shallow_copy_type", "result_type", "is_nonzero"}
 TARGET_STEP = {"Dense": 5, "StreamingLLM": 4, "SnapKV": 5, "RKV": 5, "BlockTopK": 10}
 TARGET_RKV_KERNELS, TARGET_RKV_BYTES = 25, 4.0
+_GATHERS = {"gather", "index_select"}  # (source, dim, index): see KernelCounter.bytes_gathered
 TARGET_FUSED = 16  # launches per layer of the fused step (eviction policies)
 
 
@@ -121,6 +122,9 @@ class KernelCounter(TorchDispatchMode):
         self.by_where: Counter = Counter()
         self.by_op: Counter = Counter()
         self.bytes_where: Counter = Counter()
+        # the same with a gather's source counted as the elements it reads (`bytes` counts all of it)
+        self.bytes_gathered = 0
+        self.bytes_gathered_where: Counter = Counter()
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -136,6 +140,10 @@ class KernelCounter(TorchDispatchMode):
         moved = sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
         self.bytes += moved
         self.bytes_where[where] += moved
+        if name in _GATHERS:  # the kernel reads the index and only the gathered elements of its source
+            moved = 2 * _nbytes(out) + _nbytes(args[2])
+        self.bytes_gathered += moved
+        self.bytes_gathered_where[where] += moved
         return out
 
     @property
@@ -357,21 +365,39 @@ def _event_pool(policy, shape: dict, device: str, layers: int):
             pool.pos[i].copy_(torch.arange(pool.pos[i].shape[-1]))
         if getattr(pool, "norms_all", None) is not None:  # the norms the writes would have stored
             pool.add_key_norms(torch.arange(pool.k[0].shape[2], device=device).expand(b, -1))
+    if getattr(pool, "unit_sum_all", None) is not None:  # steady state: the unit sums cover all
+        done = s - policy.buffer  # but the `buffer` tokens decoded since the last event
+        pool.sync_unit_sums(torch.full((b,), done, device=device), low=done, high=done)
     return pool, cache
 
 
-def event_counts(policy, shape: dict, device: str, layers: int) -> dict:
+def _counted(fn, counter: KernelCounter):
+    """``fn`` run under its own (nested) ``counter`` as well."""
+    def run(*args, **kw):
+        with counter:
+            return fn(*args, **kw)
+    return run
+
+
+def event_counts(policy, shape: dict, device: str, layers: int, *, steady: bool = False) -> dict:
     """Ops of one compression event of a ``layers``-deep pool (``SparseKVCache.compress``: scoring,
     kept sets and the compaction of every layer), per layer; its bytes without the compaction
     (reported apart) per layer, and against the bf16 keys of all layers."""
     b, s = shape["b"], shape["s"]
-    budget = s // 2 - getattr(policy, "buffer", 0)
+    # the table's event halves the cache; ``steady``: the decode's event, from budget + buffer to budget
+    budget = s - policy.buffer if steady else s // 2 - getattr(policy, "buffer", 0)
     budgets, counts = torch.full((b,), budget), torch.full((b,), s)
     pool, cache = _event_pool(policy, shape, device, layers)
     order = None
     if pool.win is not None:
         order = (torch.full((b,), s)[:, None] + torch.arange(pool.window)) % pool.window
         order = order.to(device)
+    # R-KV's unit-key sums kept in the pool: counted in the event, and apart (a nested counter)
+    unit = {}
+    for name in ("sync_unit_sums", "drop_unit_sums", "keep_unit_sums"):
+        if getattr(pool, "unit_sum_all", None) is not None:
+            unit[name] = KernelCounter()
+            setattr(pool, name, _counted(getattr(pool, name), unit[name]))
     counter = KernelCounter()
     with counter:
         cache.compress(budgets, counts, None, order=order)
@@ -380,9 +406,15 @@ def event_counts(policy, shape: dict, device: str, layers: int) -> dict:
     comp = {k: v for k, v in counter.bytes_where.items() if k.startswith("decoding/pool.py:compact")}
     comp_ops = sum(v for (_, k), v in counter.by_where.items() if k.startswith("decoding/pool.py:compact"))
     scoring = counter.bytes - sum(comp.values())
+    comp_g = sum(v for k, v in counter.bytes_gathered_where.items() if k.startswith("decoding/pool.py:compact"))
+    scoring_g = counter.bytes_gathered - comp_g
     return {"ops": counter.total / layers, "bytes": scoring / layers, "key_bytes": key_bytes / layers,
             "ratio": scoring / key_bytes, "compaction_ops": comp_ops / layers,
-            "compaction_bytes": sum(comp.values()) / layers, "by_op": dict(counter.by_op), "layers": layers}
+            "compaction_bytes": sum(comp.values()) / layers,
+            "ratio_gathered": scoring_g / key_bytes, "compaction_bytes_gathered": comp_g / layers,
+            "unit_sums": {k: {"ops": c.total / layers, "ratio": c.bytes / key_bytes,
+                              "ratio_gathered": c.bytes_gathered / key_bytes} for k, c in unit.items()},
+            "by_op": dict(counter.by_op), "layers": layers}
 
 
 def compaction_counts(shape: dict, layers: int = 1) -> dict:
@@ -425,6 +457,10 @@ def compress_table(smoke: bool) -> list[dict]:
         rows.append({"policy": f"{name}, event of {EVENT_LAYERS} layers (cache.compress), per layer", "shape": shape,
                      "event": True, "cpu": event_counts(pol, shape, "cpu", 2),
                      "meta": event_counts(pol, shape, "meta", EVENT_LAYERS)})
+    rows.append({"policy": f"RKV, decode's event (S = budget + buffer: evicts {RKV().buffer} of {shape['s']}) of "
+                           f"{EVENT_LAYERS} layers, per layer", "shape": shape, "event": True,
+                 "cpu": event_counts(RKV(), shape, "cpu", 2, steady=True),
+                 "meta": event_counts(RKV(), shape, "meta", EVENT_LAYERS, steady=True)})
     rows.append({"policy": "compaction (pool.py), 1 layer", "shape": shape, "cpu": compaction_counts(shape)})
     rows.append({"policy": "compaction (pool.py), 4 layers in one call, per layer", "shape": shape,
                  "cpu": compaction_counts(shape, 4)})
@@ -526,7 +562,12 @@ def print_tables(result: dict) -> None:
         m = r.get("meta", {})
         if r.get("event") and "compaction_ops" in m:
             print(f"- {r['policy']}: MiB and / keys without the compaction; the compaction adds "
-                  f"{_fmt(m['compaction_ops'])} ops and {m['compaction_bytes'] / 2**20:.0f} MiB per layer (CUDA ops)")
+                  f"{_fmt(m['compaction_ops'])} ops and {m['compaction_bytes'] / 2**20:.0f} MiB per layer (CUDA ops); "
+                  f"counting only the elements a gather reads: {m['ratio_gathered']:.2f}x the keys")
+            for name, u in m.get("unit_sums", {}).items():
+                print(f"  - of which `KVPool.{name}` (R-KV's unit-key sums kept in the pool): "
+                      f"{_fmt(u['ops'])} ops, {u['ratio']:.2f}x the keys per layer "
+                      f"({u['ratio_gathered']:.2f}x counting the elements gathered) (CUDA ops)")
     if result.get("cuda"):
         print("\n## CUDA: kernels per decode step (torch.profiler)\n")
         print(table(["policy", "layers", "cuda_graph", "fused", "kernels/step"],

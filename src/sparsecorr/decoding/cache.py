@@ -186,24 +186,35 @@ class SparseKVCache(CacheBase):
             ``[B, L, H_kv, K]`` or None.
         """
         pool, n = self.pool, self.num_layers
-        s = int(counts.max())
+        counts_host, s = counts, int(counts.max())
         dev = pool.pos_all.device
-        top, budgets = int(budgets.max()), budgets.to(dev, non_blocking=True)  # once, not per layer
+        budgets_host, top, budgets = budgets, int(budgets.max()), budgets.to(dev, non_blocking=True)  # once, not per layer
         counts = counts.to(dev, non_blocking=True)
         # every layer in one call (the stacked pool); with grad (per-layer K/V tensors) one layer
         # at a time, so the keys are never copied into a stack
         group = n if pool.k_all is not None else 1
+        after = None
+        if pool.unit_sum_all is not None:  # R-KV's unit-key sums (stacked pool: one group of every layer)
+            pool.sync_unit_sums(counts, low=int(counts_host.min()), high=s)  # up to this event's counts
+            after = torch.minimum(counts_host, budgets_host)  # the valid slots per row after it
+            # drop the evicted keys' unit sum (gathered: ~3 reads / writes of each) or sum the
+            # kept keys (one read), whichever touches fewer keys
+            evicted = int((counts_host - after).max())
+            after = (after.to(dev, non_blocking=True), int(after.min()), evicted if 3 * evicted < top else -1)
         kept = [self._compress_layers(range(lo, min(lo + group, n)), s=s, top=top, budgets=budgets, counts=counts,
-                                      query_valid=query_valid, forced=forced, due=due, record=record, order=order)
+                                      query_valid=query_valid, forced=forced, due=due, record=record, order=order,
+                                      after=after)
                 for lo in range(0, n, group)]
         return torch.cat(kept, 1) if record else None
 
     def _compress_layers(self, layers: range, *, s: int, top: int, budgets, counts, query_valid, forced, due,
-                         record: bool, order) -> torch.Tensor | None:
+                         record: bool, order, after=None) -> torch.Tensor | None:
         """Score, keep and compact ``layers`` in one `compress` call: the layers are stacked along
         the batch axis (``[n·B, ...]``, layer-major; each (row, head) is scored and kept on its
         own, so nothing mixes layers). Returns the kept positions ``[B, n, H_kv, K]`` if
-        ``record``."""
+        ``record``. ``after`` (R-KV's pool, every layer in this call): the valid slots per row
+        after the event (device), their host minimum, and the most keys a row evicts (host; -1:
+        sum the kept keys instead), for the pool's unit-key sums."""
         pool, n, lo, hi = self.pool, len(layers), layers.start, layers.stop
         b, h = pool.pos_all.shape[1:3]
         valid = (torch.arange(s, device=counts.device) < counts.repeat(n)[:, None])[:, None, :].expand(n * b, h, s)
@@ -216,9 +227,12 @@ class SparseKVCache(CacheBase):
             else:
                 q = pool.win_all[lo:hi, ..., :pool.window, :] if order is None else pool.windows_in_order(order, lo, hi)
                 q = q.reshape(n * b, *q.shape[2:])
-            norms = None if pool.norms_all is None else pool.norms_all[lo:hi, ..., :s].reshape(n * b, h, s)
+            extra = {}
+            if pool.norms_all is not None:
+                extra["key_norms"] = pool.norms_all[lo:hi, ..., :s].reshape(n * b, h, s)
+                extra["unit_sum"] = pool.unit_sum_all[lo:hi].reshape(n * b, h, 1, -1)
             keep = compress(self.policy, keys=keys, queries=q, valid=valid, positions=positions,
-                            budget=budgets.repeat(n), max_budget=top, key_norms=norms,
+                            budget=budgets.repeat(n), max_budget=top, **extra,
                             query_valid=None if query_valid is None else query_valid.repeat(n, 1))
         else:
             want = forced[:, lo:hi].transpose(0, 1).reshape(n * b, *forced.shape[2:])
@@ -226,7 +240,13 @@ class SparseKVCache(CacheBase):
         kept = None
         if record:
             kept = torch.where(keep.valid, positions.gather(-1, keep.index), -1).reshape(n, b, h, -1).transpose(0, 1)
-        pool.compact_all(keep.index.reshape(n, b, h, -1), lo)
+        index, kept_valid = keep.index.reshape(n, b, h, -1), keep.valid.reshape(n, b, h, -1)
+        if after is not None and after[2] >= 0:
+            pool.drop_unit_sums(valid.reshape(n, b, h, s), index, kept_valid, evicted=after[2], counts=after[0],
+                                low=after[1])
+        pool.compact_all(index, lo)
+        if after is not None and after[2] < 0:
+            pool.keep_unit_sums(kept_valid, after[0], low=after[1])
         return kept
 
 

@@ -23,7 +23,9 @@ page summaries): every layer's new keys are added to their pages once per step, 
 layer's write (`KVPool.add_page_sums`: one gather, one cast, one ``scatter_add_`` at page indices
 built once per step; per layer in `KVPool.write` where the cache asks for it), so no summary is
 ever recomputed from the cache. R-KV's compressions read every key's norm, which the pool keeps
-the same way (`KVPool.track_norms`, `KVPool.add_key_norms`). With autograd on (``grad=True``) every K/V update
+the same way (`KVPool.track_norms`, `KVPool.add_key_norms`), and their sum of unit keys, brought
+up to date at each compression over the slots written since the last one and the evicted ones
+only (`KVPool.sync_unit_sums`, `KVPool.drop_unit_sums`). With autograd on (``grad=True``) every K/V update
 is out of place, so earlier attention calls keep the tensors they read: K and V are then separate
 per-layer tensors (``k_all``, ``v_all`` None; a compression stacks the detached keys and compacts
 layer by layer). Windows, positions and page sums are stacked in both modes (written in place,
@@ -33,6 +35,8 @@ detached).
 from __future__ import annotations
 
 import torch
+
+from .policies.base import matmul_f32, merge_rows, split_rows
 
 __all__ = ["KVPool", "ring_order", "ring_slots"]
 
@@ -74,14 +78,24 @@ class KVPool:
         self.summ_all = torch.zeros(layers, batch, kv_heads, self.pages_per_row, head_dim, dtype=torch.float32,
                                     device=device) if summaries else None
         self.norms_all = None  # [L, B, H_kv, C + page] float32 key norms, once `track_norms` is called
+        self.unit_sum_all = None  # [L, B, H_kv, D] float32 sum of the unit keys of slots [0, unit_upto_b)
+        self.unit_upto = None  # [B] device long: the slots the unit sums cover
+        self.unit_lo = 0  # host: a lower bound of unit_upto (the first slot a catch-up reads)
         self._views()
 
     def track_norms(self) -> None:
-        """Keep every written key's norm (float32 accumulation) in ``norms_all``, updated once
+        r"""Keep every written key's norm (float32 accumulation) in ``norms_all``, updated once
         per step for every layer (`add_key_norms`) and compacted with the keys, so a compression
-        that needs them (R-KV's redundancy) does not re-read the keys for them. Not with grad."""
+        that needs them (R-KV's redundancy) does not re-read the keys for them; and R-KV's sum of
+        unit keys \(s = \sum_j k_j / \max(\lVert k_j\rVert, 10^{-12})\) over each row's valid slots
+        (``unit_sum_all``, `sync_unit_sums`, `keep_unit_sums`). Not with grad."""
         if self.k_all is not None and self.norms_all is None:
-            self.norms_all = torch.zeros(self.k_all.shape[:4], dtype=torch.float32, device=self.k_all.device)
+            dev = self.k_all.device
+            n, b, h, _, d = self.k_all.shape
+            self.norms_all = torch.zeros(self.k_all.shape[:4], dtype=torch.float32, device=dev)
+            self.unit_sum_all = torch.zeros(n, b, h, d, dtype=torch.float32, device=dev)
+            self.unit_upto = torch.zeros(b, dtype=torch.long, device=dev)
+            self.unit_lo = 0
 
     def _views(self) -> None:
         """Per-layer views of the stacked buffers (after allocation or `select_rows`)."""
@@ -94,7 +108,7 @@ class KVPool:
     def allocated_bytes(self) -> int:
         """Bytes of every buffer the pool holds (K, V, positions, windows, summaries)."""
         groups = [self.k, self.v, self.pos or [], self.win or [], self.summ or [],
-                  [] if self.norms_all is None else [self.norms_all]]
+                  [] if self.norms_all is None else [self.norms_all, self.unit_sum_all]]
         return sum(t.numel() * t.element_size() for g in groups for t in g)
 
     def slot_bytes(self) -> int:
@@ -151,6 +165,73 @@ class KVPool:
         new, shape = self._new_keys(slots)
         norms = torch.linalg.vector_norm(new, dim=-1, dtype=torch.float32)
         self.norms_all.scatter_(3, slots[None, :, None, :].expand(shape[:4]), norms)
+
+    def _unit_weighted_sum(self, w: torch.Tensor, lo: int) -> torch.Tensor:
+        r"""\(\sum_j w_j k_j\) over slots ``lo .. lo + m - 1`` of every layer (one GEMV, float32
+        accumulation; the float32 weights split into two rows for a bf16 pool, `split_rows`).
+
+        Shapes:
+            w ``[L, B, H_kv, m]`` float32 -> ``[L, B, H_kv, D]`` float32.
+        """
+        keys = self.k_all[:, :, :, lo:lo + w.shape[-1]]
+        return merge_rows(matmul_f32(split_rows(w[..., None, :], keys.dtype), keys), 1)[..., 0, :]
+
+    def sync_unit_sums(self, counts: torch.Tensor, *, low: int, high: int) -> None:
+        r"""Add the unit keys of the slots written since the sums were last brought up to date,
+        \(s \mathrel{+}= \sum_{\mathrm{upto}_b \le j < \mathrm{count}_b} k_j / \max(n_j, 10^{-12})\)
+        with the stored norms \(n_j\), for every layer: one GEMV over slots
+        ``[unit_lo, high)`` only (in steady state the ``buffer`` tokens decoded since the last
+        compression), at the compression that reads them, not in the decode step (so a CUDA
+        graph's warm-up step adds nothing twice, and padding, written past ``count_b`` to the
+        scratch page, is never summed). ``low`` / ``high``: host min / max of ``counts``.
+
+        Shapes:
+            counts ``[B]`` (device long, valid slots per row).
+        """
+        lo = self.unit_lo
+        if high > lo:
+            j = torch.arange(lo, high, device=counts.device)
+            new = (j >= self.unit_upto[:, None]) & (j < counts[:, None])  # [B, m]
+            w = new[None, :, None, :] / self.norms_all[:, :, :, lo:high].clamp(min=1e-12)
+            self.unit_sum_all += self._unit_weighted_sum(w, lo)
+        self.unit_upto, self.unit_lo = counts, low
+
+    def drop_unit_sums(self, valid: torch.Tensor, index: torch.Tensor, kept: torch.Tensor, *, evicted: int,
+                       counts: torch.Tensor, low: int) -> None:
+        r"""Before a compaction (`compact_all`), take the evicted keys out of the unit sums:
+        \(s \mathrel{-}= \sum_{j\ \mathrm{valid},\ j \notin \mathrm{kept}} k_j / \max(n_j, 10^{-12})\),
+        gathering only the (at most ``evicted`` per row and head) evicted keys: a decode's
+        compression evicts about ``buffer`` keys of ``budget + buffer``, so this touches a few
+        percent of the keys (the engine takes `keep_unit_sums` instead where the kept set is
+        the smaller). The sums then drift from a recomputation by float rounding only.
+
+        Shapes:
+            valid ``[L, B, H_kv, S]`` (valid before); index, kept ``[L, B, H_kv, K]`` (the kept
+            set: slots and valid entries); counts ``[B]`` (device long, valid slots per row after
+            the compaction); ``low``: their host minimum.
+        """
+        s = valid.shape[-1]  # the kept slots marked True (dropped entries into a dump column s)
+        in_kept = torch.zeros(*valid.shape[:-1], s + 1, dtype=torch.bool, device=valid.device)
+        in_kept.scatter_(-1, torch.where(kept, index, s), True)
+        gone = valid & ~in_kept[..., :s]  # evicted: valid and not kept
+        ev = gone.to(torch.uint8).topk(evicted, dim=-1).indices  # [L, B, H, E]: the evicted slots first
+        w = gone.gather(-1, ev) / self.norms_all[..., :valid.shape[-1]].gather(-1, ev).clamp(min=1e-12)
+        keys = self.k_all.gather(3, ev[..., None].expand(*ev.shape, self.k_all.shape[-1]))
+        self.unit_sum_all -= merge_rows(matmul_f32(split_rows(w[..., None, :], keys.dtype), keys), 1)[..., 0, :]
+        self.unit_upto, self.unit_lo = counts, low
+
+    def keep_unit_sums(self, valid: torch.Tensor, counts: torch.Tensor, *, low: int) -> None:
+        r"""After a compaction (`compact_all`), the unit sums of the kept keys:
+        \(s = \sum_{j < K} \mathrm{valid}_j\, k_j / \max(n_j, 10^{-12})\) over the compacted front
+        (one GEMV over the ``K`` kept slots, not the evicted ones nor the rest of the pool).
+
+        Shapes:
+            valid ``[L, B, H_kv, K]`` (the kept set's valid entries); counts ``[B]`` (device long,
+            valid slots per row after the compaction); ``low``: their host minimum.
+        """
+        w = valid / self.norms_all[:, :, :, :valid.shape[-1]].clamp(min=1e-12)
+        self.unit_sum_all.copy_(self._unit_weighted_sum(w, 0))
+        self.unit_upto, self.unit_lo = counts, low
 
     def write_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Write a chunk's true positions at per-row ``slots`` in every layer at once (one scatter
@@ -231,7 +312,7 @@ class KVPool:
         rewritten in its own storage, one layer at a time (`_take_rows`), so the transient extra
         memory is one layer's selected rows, as with per-layer buffers; with grad the per-layer
         K/V are selected one layer at a time."""
-        for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all", "norms_all"):
+        for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all", "norms_all", "unit_sum_all"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, _take_rows(t, rows))
@@ -239,6 +320,8 @@ class KVPool:
             for group in (self.k, self.v):
                 for i, t in enumerate(group):
                     group[i] = t.index_select(0, rows)
+        if self.unit_upto is not None:  # unit_lo stays a lower bound
+            self.unit_upto = self.unit_upto.index_select(0, rows)
         self._views()
 
 

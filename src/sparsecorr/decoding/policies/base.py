@@ -179,7 +179,7 @@ def _protected(policy: KVPolicy, valid: torch.Tensor, rank: torch.Tensor) -> tor
 def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
              positions: torch.Tensor, budget: int | torch.Tensor,
              query_valid: torch.Tensor | None = None, max_budget: int | None = None,
-             key_norms: torch.Tensor | None = None) -> KeepSet:
+             key_norms: torch.Tensor | None = None, unit_sum: torch.Tensor | None = None) -> KeepSet:
     r"""Keep the ``budget`` best-scored valid slots of every (sequence, KV head).
 
     Sinks and the recent window always survive; invalid slots never do; equal scores are
@@ -191,7 +191,9 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     the device without a sync (the engine moves its budgets once per compression, not per layer).
     ``key_norms`` (``[B, H_kv, S]`` float32, \(\lVert k_j\rVert\) with float32 accumulation, as the
     engine's pool keeps them: `sparsecorr.decoding.pool.KVPool.add_key_norms`) is passed to
-    ``policy.score`` only when given, and only policies with ``key_norms = True`` (R-KV) take it.
+    ``policy.score`` only when given, and only policies with ``key_norms = True`` (R-KV) take it;
+    so is ``unit_sum`` (``[B, H_kv, 1, D]`` float32, R-KV's sum of the valid unit keys as the pool
+    keeps it: `sparsecorr.decoding.pool.KVPool.sync_unit_sums`).
 
     **Slot order is position order**: the valid slots of a row must hold increasing positions
     (the engine's pool keeps this: compaction keeps the kept slots in position order and new
@@ -211,6 +213,8 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     extra = {} if query_valid is None else {"query_valid": query_valid}
     if key_norms is not None:
         extra["key_norms"] = key_norms
+    if unit_sum is not None:
+        extra["unit_sum"] = unit_sum
     scores = policy.score(keys=keys, queries=queries, valid=valid, positions=positions, **extra)
     # ties (frequent after max pooling) go to the more recent token, by true position, so the
     # kept set does not depend on where a row's tokens sit in the slot axis (padding, batching)

@@ -58,15 +58,16 @@ def mix_minmax(imp: torch.Tensor, red: torch.Tensor, valid: torch.Tensor, *, mix
 _EPS = 1e-12  # F.normalize's floor on a key's norm (a zero key has unit key 0)
 
 
-def _unit_sum(keys: torch.Tensor, valid: torch.Tensor,
-              norms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _unit_sum(keys: torch.Tensor, valid: torch.Tensor, norms: torch.Tensor | None = None,
+              unit_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Norms, per-slot weights and the sum of the unit keys, from the keys as stored.
 
     \(n_j = \lVert k_j\rVert\) (float32 accumulation), \(w_j = \mathrm{valid}_j / \max(n_j, \epsilon)\)
     and \(s = \sum_j w_j k_j = \sum_{j\ \mathrm{valid}} \hat k_j\): one norm pass and one GEMV over
     the keys (the float32 weights split into two bf16 rows for a bf16 cache, see
     `split_rows`). Given ``norms`` (kept by the pool as the keys are written), the norm pass is
-    skipped and the keys are read once here.
+    skipped and the keys are read once here; given ``unit_sum`` too (the pool keeps \(s\) as well,
+    `sparsecorr.decoding.pool.KVPool.sync_unit_sums`), not at all.
 
     Shapes:
         keys ``[B, H, S, D]``; valid ``[B, H, S]``; norms ``[B, H, S]`` float32 or None -> n, w
@@ -74,6 +75,8 @@ def _unit_sum(keys: torch.Tensor, valid: torch.Tensor,
     """
     n = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32) if norms is None else norms
     w = valid / n.clamp(min=_EPS)
+    if unit_sum is not None:
+        return n, w, unit_sum
     s = merge_rows(matmul_f32(split_rows(w[:, :, None, :], keys.dtype), keys), 1)
     return n, w, s
 
@@ -114,23 +117,26 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def rkv_parts(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
               query_valid: torch.Tensor | None = None,
-              norms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              norms: torch.Tensor | None = None,
+              unit_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     r"""R-KV's two raw terms with the keys read three times in all: SnapKV's votes
     (`group_scores`) and
     \((n-1)\) × [`key_redundancy`][sparsecorr.decoding.policies.key_redundancy] (the per-row
     factor cancels in the min-max normalisation). The sum of unit keys \(s\) rides as extra rows
     of the observation-window queries, so one GEMM gives the logits and every \(k_j \cdot s\).
-    With the key ``norms`` given (the engine's pool keeps them), twice.
+    With the key ``norms`` given (the engine's pool keeps them), twice; with the ``unit_sum``
+    \(s\) given as well (the pool keeps it too), once.
 
     Shapes:
         keys ``[B, H_kv, S, D]``; queries ``[B, H_q, W, D]``; valid ``[B, H_kv, S]``;
-        query_valid ``[B, W]`` or None; norms ``[B, H_kv, S]`` float32 or None -> two
+        query_valid ``[B, W]`` or None; norms ``[B, H_kv, S]`` float32 or None; unit_sum
+        ``[B, H_kv, 1, D]`` float32 or None (only with norms) -> two
         ``[B, H_kv, S]`` float32.
     """
     b, hq, w, d = queries.shape
     hkv = keys.shape[1]
     g = hq // hkv
-    n, wt, s = _unit_sum(keys, valid, norms)
+    n, wt, s = _unit_sum(keys, valid, norms, unit_sum)
     # (queries of another dtype than the keys promote the rows; matmul_f32 then upcasts both)
     rows = torch.cat([queries.reshape(b, hkv, g * w, d), split_rows(s, keys.dtype)], dim=-2)
     out = matmul_f32(rows, keys.transpose(-1, -2))  # [B, H, G·W + 1 or 2, S]
@@ -158,7 +164,8 @@ class RKV(KVPolicy):
             raise ValueError(f"mix: expected a number in [0, 1], got {self.mix!r}")
         check_window_policy(self)
 
-    def score(self, *, keys, queries, valid, positions, query_valid=None, key_norms=None) -> torch.Tensor:
-        votes, red = rkv_parts(keys, queries, valid, query_valid, key_norms)
+    def score(self, *, keys, queries, valid, positions, query_valid=None, key_norms=None,
+              unit_sum=None) -> torch.Tensor:
+        votes, red = rkv_parts(keys, queries, valid, query_valid, key_norms, unit_sum)
         imp = pool_scores(votes, kernel=self.kernel, pooling="max")
         return mix_minmax(imp, red, valid, mix=self.mix)
