@@ -8,6 +8,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP_VERSION := 26.3
 TORCH_VERSION := 2.13.0
+# the fused kernels' Triton (sparsecorr::window_votes), tested on the CPU by Triton's interpreter
+TRITON_VERSION := 3.9.0
 # peers of the parity tests, installed without their GPU-only dependencies (the tests load their
 # loss code through tests/openrlhf_shim.py and tests/verl_shim.py)
 PEERS := openrlhf>=0.11,<0.12 verl==0.9.1
@@ -52,7 +54,7 @@ define edge
 endef
 
 .PHONY: venv lock test test-all test-gpu test-edges test-newest test-lowest test-torch-newest \
-  test-compile test-resolve demo docs lint bench dist clean
+  test-compile test-resolve test-triton demo docs lint bench dist clean
 
 venv: $(STAMP)
 
@@ -97,6 +99,14 @@ test-compile: $(STAMP)
 test-resolve: $(STAMP)
 	$(BIN)/python -m pytest -q -s -m resolve tests/resolve $(PYTEST_ARGS)
 
+# the Triton kernels on the CPU, under Triton's interpreter: Triton (not in the CPU lock: CUDA
+# torch brings its own) is installed beside the venv, in .venv-triton, and put on the path
+test-triton: $(STAMP)
+	@[ -f .venv-triton/.triton-$(TRITON_VERSION) ] || { rm -rf .venv-triton && $(BIN)/python -m pip install -q \
+	  --no-deps --target .venv-triton triton==$(TRITON_VERSION) && touch .venv-triton/.triton-$(TRITON_VERSION); }
+	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR)/.venv-triton $(BIN)/python -m pytest -q -m "not gpu" \
+	  tests/unit/decoding/test_votes.py $(PYTEST_ARGS)
+
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
 
@@ -120,4 +130,4 @@ dist: $(STAMP)
 	@ls -1 dist
 
 clean:
-	rm -rf $(VENV) .venv-newest .venv-lowest .venv-torch-newest site build dist .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-newest .venv-lowest .venv-torch-newest .venv-triton site build dist .pytest_cache .hypothesis

@@ -20,6 +20,8 @@ from typing import ClassVar, Literal
 
 import torch
 
+from .votes import window_votes
+
 __all__ = ["KVPolicy", "KeepSet", "check_int", "compress", "group_scores", "matmul_f32", "merge_rows",
            "split_rows", "window_votes"]
 
@@ -113,30 +115,6 @@ def merge_rows(y: torch.Tensor, rows: int) -> torch.Tensor:
     """The product of `split_rows`' rows, merged
     back: ``[..., R or 2R, N]`` -> ``[..., R, N]``."""
     return y if y.shape[-2] == rows else y[..., :rows, :] + y[..., rows:, :]
-
-
-def window_votes(logits: torch.Tensor, valid: torch.Tensor, query_valid: torch.Tensor | None, *,
-                 group: int, scale: float) -> torch.Tensor:
-    r"""SnapKV's votes from the raw logits of the observation-window queries.
-
-    \(\mathrm{imp}_j = \frac{1}{G}\sum_{g}\sum_{w} m_w\,\mathrm{softmax}_j(s\,q_{gw}\cdot k_j)\) over
-    the valid keys (\(m_w\): ``query_valid``). Invalid keys get the float32 minimum as their bias
-    (instead of \(-\infty\): a row without a valid key gives no NaN) and
-    receive exactly 0 probability in any row with a valid key. The sum over the window and the group is one GEMV of the
-    probabilities with the weights \(m_w / G\).
-
-    Shapes:
-        logits ``[B, H_kv, G·W, S]`` float32 (group-major rows); valid ``[B, H_kv, S]``;
-        query_valid ``[B, W]`` or None -> ``[B, H_kv, S]`` float32.
-    """
-    b, h, gw, s = logits.shape
-    bias = torch.where(valid, 0.0, torch.finfo(torch.float32).min)[:, :, None, :]  # float32 (one op)
-    probs = torch.add(bias, logits, alpha=scale).softmax(dim=-1)
-    if query_valid is None:
-        wts = torch.full((1, 1, 1, gw), 1.0 / group, device=logits.device)
-    else:
-        wts = (query_valid / group).repeat(1, group)[:, None, None, :]  # [B, 1, 1, G·W]
-    return (wts @ probs).reshape(b, h, s)
 
 
 def group_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,

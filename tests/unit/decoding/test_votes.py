@@ -1,0 +1,129 @@
+"""``sparsecorr::window_votes`` (issue 36): SnapKV's votes as one op, a fused Triton kernel on CUDA.
+
+The op's kernel off CUDA is the stock chain; these tests pin it against a float64 loop, check
+the op's registration (``opcheck``, the fake kernel on ``meta``, no gradient) and the CUDA
+kernel's fallback. The Triton kernel itself runs where Triton is importable: on a GPU, or on the
+CPU under Triton's interpreter (``make test-triton`` installs Triton beside the lock's venv and
+runs this file with ``TRITON_INTERPRET=1``); elsewhere those tests are skipped.
+"""
+
+import importlib.util
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsecorr.decoding.policies import RKV, SnapKV, compress
+from sparsecorr.decoding.policies import votes as V
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton's interpreter is chosen when Triton is imported: the variable is set by the caller
+RUN_TRITON = importlib.util.find_spec("triton") is not None and (
+    DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+needs_triton = pytest.mark.skipif(not RUN_TRITON, reason="needs Triton and a GPU, or Triton's interpreter "
+                                  "(TRITON_INTERPRET=1 with Triton installed: make test-triton)")
+
+
+def _loop_votes(logits, valid, weights, scale):
+    """Row by row in float64: softmax over the valid keys (uniform if none), weighted sum."""
+    b, h, r, s = logits.shape
+    out = torch.zeros(b, h, s, dtype=torch.float64)
+    for i in range(b):
+        for j in range(h):
+            ok = valid[i, j]
+            for k in range(r):
+                x = logits[i, j, k].double() * scale
+                p = torch.softmax(x.masked_fill(~ok, -torch.inf), -1) if ok.any() else torch.full((s,), 1.0 / s)
+                out[i, j] += weights[min(i, weights.shape[0] - 1), k].double() * p.nan_to_num(0.0)
+    return out
+
+
+def _inputs(seed, b, h, r, s, *, extra_rows=2, p_valid=0.7, empty_row=True, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    logits = (4 * torch.randn(b, h, r + extra_rows, s, generator=g))[:, :, :r]  # a strided view, as in R-KV
+    valid = (torch.rand(b, h, s, generator=g) < p_valid)
+    if empty_row:
+        valid[0, 0] = False  # a row without a valid key: uniform, no NaN
+    weights = torch.rand(b, r, generator=g)
+    return logits.to(device), valid.to(device), weights.to(device)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 16, 37), (1, 1, 1, 1), (3, 2, 5, 130)])
+def test_window_votes_equals_a_float64_loop(shape):
+    logits, valid, weights = _inputs(0, *shape)
+    got = V._votes_op(logits, valid, weights, 0.0884)
+    torch.testing.assert_close(got.double(), _loop_votes(logits, valid, weights, 0.0884), rtol=1e-5, atol=1e-7)
+    # query_valid as the weights: m_w / G, group-major rows
+    qv = torch.rand(shape[0], shape[2]) < 0.6
+    got = V.window_votes(logits, valid, qv, group=1, scale=0.5)
+    torch.testing.assert_close(got.double(), _loop_votes(logits, valid, qv.double(), 0.5), rtol=1e-5, atol=1e-7)
+
+
+def test_window_votes_op_registration():
+    logits, valid, weights = _inputs(1, 2, 2, 6, 9)
+    torch.library.opcheck(V._votes_op, (logits, valid, weights, 0.3))
+    meta = V._votes_op(logits.to("meta"), valid.to("meta"), weights.to("meta"), 0.3)  # the fake kernel
+    assert (meta.shape, meta.dtype, meta.device.type) == ((2, 2, 9), torch.float32, "meta")
+    # no gradient flows through the votes (they rank tokens), whatever the logits require
+    out = V.window_votes(logits.clone().requires_grad_(), valid, None, group=2, scale=0.3)
+    assert not out.requires_grad
+
+
+def test_cuda_kernel_falls_back_to_the_stock_chain_once(monkeypatch):
+    """A failing Triton kernel (no Triton, a build error) warns once and gives the stock values."""
+    logits, valid, weights = _inputs(2, 2, 2, 4, 11)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(V, "votes_triton", broken)
+    monkeypatch.setattr(V, "_failed", [])
+    with pytest.warns(RuntimeWarning, match="fused Triton kernel failed .RuntimeError: no kernel here"):
+        got = V._votes_cuda(logits, valid, weights, 0.2)
+    torch.testing.assert_close(got, V.votes_reference(logits, valid, weights, 0.2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        V._votes_cuda(logits, valid, weights, 0.2)  # no second warning, no second try
+    assert len(calls) == 1
+
+
+@needs_triton
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 3), h=st.integers(1, 3), r=st.integers(1, 40),
+       s=st.integers(1, 700), p_valid=st.sampled_from([0.0, 0.3, 1.0]), broadcast=st.booleans())
+def test_triton_kernel_equals_the_stock_chain(seed, b, h, r, s, p_valid, broadcast):
+    """Any shape (rows past a power of two, keys past a block), strided logits, broadcast valid /
+    weights, rows without a valid key: the fused kernel gives the stock chain's votes to float
+    rounding."""
+    logits, valid, weights = _inputs(seed, b, h, r, s, p_valid=p_valid, device=DEVICE)
+    if broadcast:
+        valid, weights = valid[:, :1].expand(b, h, s), weights[:1]
+    want = V.votes_reference(logits, valid, weights, 0.0884)
+    got = V.votes_triton(logits, valid, weights, 0.0884)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7)
+
+
+@needs_triton
+@pytest.mark.parametrize("policy", [SnapKV(), RKV()], ids=lambda p: p.name)
+def test_triton_kernel_keeps_the_same_tokens(monkeypatch, policy):
+    """``compress`` with the fused votes keeps what it keeps with the stock chain (bf16 keys,
+    ragged rows, an observation window with missing queries)."""
+    g = torch.Generator().manual_seed(3)
+    b, h, gq, s, d, w = 3, 2, 2, 300, 64, 8
+    keys = torch.randn(b, h, s, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    queries = torch.randn(b, h * gq, w, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    counts = torch.tensor([300, 211, 97], device=DEVICE)
+    valid = (torch.arange(s, device=DEVICE) < counts[:, None])[:, None, :].expand(b, h, s)
+    positions = torch.arange(s, device=DEVICE).expand(b, h, s)
+    qv = torch.ones(b, w, dtype=torch.bool, device=DEVICE)
+    qv[2, :3] = False
+    kw = dict(keys=keys, queries=queries, valid=valid, positions=positions, budget=64, query_valid=qv)
+    want = compress(policy, **kw)
+    monkeypatch.setattr(V, "_votes_op", V.votes_triton)
+    got = compress(policy, **kw)
+    assert torch.equal(got.index, want.index) and torch.equal(got.valid, want.valid)
