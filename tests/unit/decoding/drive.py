@@ -18,18 +18,19 @@ class _Bar:
         pass
 
 
-def decode_steps(model, ids, policy, budget, *, graphs: bool, steps: int, backend=None, lens=None,
-                 eos=None, events=None):
+def decode_steps(model, ids, policy, budget, *, graphs: bool = False, steps: int, backend=None, lens=None,
+                 eos=None, events=None, runner=None):
     """Greedy prefill of ``ids`` ``[B, P]`` (row ``b`` has ``lens[b]`` prompt tokens; all by
     default) then ``steps`` decode steps; returns ``(fields, engine)``. ``events`` (a list) is
-    the engine's kept-set record."""
+    the engine's kept-set record. ``graphs``: the CUDA-graph step through `EagerRunner`;
+    ``runner``: through that runner instead."""
     lens = torch.full((ids.shape[0],), ids.shape[1]) if lens is None else lens
     table = budget_table(budget, dense=policy.kind == "dense", longest=ids.shape[1] + steps)
     engine = Engine(model, policy=policy, backend=backend or TorchBackend(), table=table, batch=ids.shape[0],
                     capacity=pool_capacity(policy, table, longest=ids.shape[1] + steps, chunk=ids.shape[1]),
                     grad=False)
-    if graphs:
-        engine.graphs = DecodeGraphs(runner=EagerRunner)
+    if graphs or runner is not None:
+        engine.graphs = DecodeGraphs(runner=runner or EagerRunner)
     if events is not None:
         engine.kept_events = events
     samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=3, generator=None)

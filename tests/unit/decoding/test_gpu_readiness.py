@@ -29,19 +29,14 @@ from sparsecorr.decoding.backends import (
     get_backend,
 )
 from sparsecorr.decoding.backends import flashinfer as fi
-from sparsecorr.decoding.cache import ATTN_NAME, active_cache
-from sparsecorr.decoding.engine import Engine, pool_capacity
-from sparsecorr.decoding.graphs import DecodeGraphs, EagerRunner
-from sparsecorr.decoding.hf import sparse_attention
+from sparsecorr.decoding.engine import Engine
+from sparsecorr.decoding.graphs import EagerRunner
 from sparsecorr.decoding.loops import (
-    Sampling,
-    decode_loop,
     device_generator,
-    prefill,
     sample_categorical,
 )
-from sparsecorr.decoding.validate import budget_table
 from tests.models import tiny_model
+from tests.unit.decoding.drive import decode_steps
 
 POLICIES = [Dense(), StreamingLLM(sink=1, buffer=2), SnapKV(window=3, buffer=3), RKV(window=3, buffer=3),
             BlockTopK(page_size=4, dense_layers=1)]
@@ -54,22 +49,6 @@ class _Bar:
 
 def _paged():
     return PagedBackend(ReferenceDecodeKernel, name="paged-oracle")
-
-
-def _decode(model, ids, policy, budget, *, backend, runner=None, steps=16, eos=None):
-    lens = torch.full((ids.shape[0],), ids.shape[1])
-    longest = ids.shape[1] + steps
-    table = budget_table(budget, dense=policy.kind == "dense", longest=longest)
-    engine = Engine(model, policy=policy, backend=backend, table=table, batch=ids.shape[0],
-                    capacity=pool_capacity(policy, table, longest=longest, chunk=ids.shape[1]), grad=False)
-    if runner is not None:
-        engine.graphs = DecodeGraphs(runner=runner)
-    samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=0, generator=None)
-    with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad():
-        logits = prefill(engine, ids, lens, ids.shape[1])
-        fields = decode_loop(engine, logits, prompt_len=lens, steps=steps, samp=samp, eos=eos, pruner=None,
-                             group_size=None, bar=_Bar())
-    return fields, engine
 
 
 # -- finding 2: sampling -------------------------------------------------------------------------
@@ -133,10 +112,10 @@ def test_failed_capture_resets_the_paged_backend():
             raise RuntimeError("operation not permitted when stream is capturing")
 
     eos = [11, 63, 90]
-    ref, _ = _decode(model, ids, Dense(), None, backend=TorchBackend(), steps=24, eos=eos)
+    ref, _ = decode_steps(model, ids, Dense(), None, backend=TorchBackend(), steps=24, eos=eos)
     assert ref["lengths"].unique().numel() > 1  # rows leave the batch at different steps
     with pytest.warns(RuntimeWarning, match="capture failed"):
-        got, engine = _decode(model, ids, Dense(), None, backend=_paged(), runner=Broken, steps=24, eos=eos)
+        got, engine = decode_steps(model, ids, Dense(), None, backend=_paged(), runner=Broken, steps=24, eos=eos)
     assert engine.graphs.status.startswith("failed") and not engine.cache.backend._graph
     assert torch.equal(got["tokens"], ref["tokens"])
 
@@ -148,8 +127,8 @@ def test_paged_graph_step_equals_eager_torch(policy):
     # 5 rows: with EOS the batch goes 5 -> 4 (bucket) -> 3 live + 1 dummy -> ...
     ids = torch.randint(3, 128, (5, 9), generator=torch.Generator().manual_seed(0))
     for eos in (None, [11, 63]):
-        ref, _ = _decode(model, ids, policy, 8, backend=TorchBackend(), eos=eos)
-        got, engine = _decode(model, ids, policy, 8, backend=_paged(), runner=EagerRunner, eos=eos)
+        ref, _ = decode_steps(model, ids, policy, 8, backend=TorchBackend(), steps=16, eos=eos)
+        got, engine = decode_steps(model, ids, policy, 8, backend=_paged(), runner=EagerRunner, steps=16, eos=eos)
         assert engine.graphs.status == "on" and engine.cache.backend._graph
         assert torch.equal(got["tokens"], ref["tokens"]) and torch.equal(got["lengths"], ref["lengths"])
         torch.testing.assert_close(got["rollout_logp"], ref["rollout_logp"], atol=2e-5, rtol=0)
@@ -205,7 +184,7 @@ def test_paged_backend_builds_one_kernel_without_selection_and_asks_no_lse():
     backend = PagedBackend(lambda **kw: made.append(kw) or Kernel(**kw), name="counting")
     model = tiny_model("qwen3")
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(3))
-    _decode(model, ids, RKV(window=2, buffer=2), 6, backend=backend, steps=4)
+    decode_steps(model, ids, RKV(window=2, buffer=2), 6, backend=backend, steps=4)
     assert len(made) == 1 and backend._sparse is None
     assert calls and not any(calls)
     backend.enable_graph(batch=2, heads=2, pages_per_row=4, keep_cap=0, group=2, head_dim=16,
@@ -376,8 +355,8 @@ def test_aligned_chunks_give_todays_logprobs(policy, monkeypatch):
 def test_graph_captures_are_counted_and_timed():
     model = tiny_model("qwen3")
     ids = torch.randint(3, 128, (3, 5), generator=torch.Generator().manual_seed(1))
-    fields, engine = _decode(model, ids, Dense(), None, backend=TorchBackend(), runner=EagerRunner, steps=24,
-                             eos=[11, 63, 90])
+    fields, engine = decode_steps(model, ids, Dense(), None, backend=TorchBackend(), runner=EagerRunner, steps=24,
+                                  eos=[11, 63, 90])
     sizes = {int((fields["lengths"] > t).sum()) for t in range(1, int(fields["lengths"].max()))} - {0}
     assert engine.graphs.captures == len(sizes) > 1  # 3 rows: every size met is its own bucket
     assert engine.graphs.capture_s > 0
