@@ -29,8 +29,8 @@ object); it compiles on the first call, which is the first captured step's warm-
 capture stream), with the batch dimension marked dynamic, so one compile serves every batch
 bucket above 1 (dynamo specialises a batch of 1: a second compile when the batch shrinks to 1).
 A later ``generate`` with the same model reuses it. If compiling or running it fails, the engine
-warns once and runs the unfused step; ``RolloutBatch.meta["fused"]`` says ``"on"``, ``"off"``
-or ``"failed: <error>"``.
+warns once and runs the unfused step; ``RolloutBatch.meta["fused"]`` says ``"on"``, ``"off"``,
+``"failed: <error>"`` or ``"unused"`` (asked for, but no decode step was captured).
 """
 
 from __future__ import annotations

@@ -147,12 +147,24 @@ def _loops(engine, ids, lens, live, *, chunk, t_max, samp, eos_token_id, pruner,
     return fields, {"prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
+def _graph_status(g) -> tuple[str, str]:
+    """``meta``'s ``("cuda_graph", "fused")``: ``"off"`` where not asked for, ``"unused"`` where
+    asked for but no decode step was captured (no decode forward ran, e.g. ``max_new_tokens=1``),
+    else what the graphs say (``"on"``, ``"failed: <error>"``)."""
+    if g is None:
+        return "off", "off"
+    if g.captures == 0 and g.status == "on":
+        return "unused", "unused" if g.fused == "on" else g.fused
+    return g.status, g.fused
+
+
 def _engine_info(engine) -> dict:
     """What ``meta`` records about the engine (read before it is closed)."""
     g = engine.graphs
+    graph, fused = _graph_status(g)
     return {"peak_kv_bytes": engine.peak_slots * engine.pool.slot_bytes(),
-            "kv_pool_bytes": engine.pool.allocated_bytes(), "cuda_graph": g.status if g else "off",
-            "fused": g.fused if g else "off", "graph_captures": g.captures if g else 0, "capture_s": g.capture_s if g else 0.0,
+            "kv_pool_bytes": engine.pool.allocated_bytes(), "cuda_graph": graph,
+            "fused": fused, "graph_captures": g.captures if g else 0, "capture_s": g.capture_s if g else 0.0,
             "kept_sets": None if engine.kept_events is None else
             kept_sets(engine.kept_events, layers=engine.n_layers, heads=engine.heads_kv)}
 
@@ -197,7 +209,9 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
             once, after it is read.
         cuda_graph: replay each single-token decode step as a CUDA graph (CUDA only, no pruner;
             see [`sparsecorr.decoding.graphs`][sparsecorr.decoding.graphs]). Falls back to eager
-            steps, with a warning, if capture fails; ``meta["cuda_graph"]`` records which ran.
+            steps, with a warning, if capture fails; ``meta["cuda_graph"]`` records which ran:
+            ``"on"``, ``"failed: <error>"``, ``"unused"`` (asked for, but no decode step ran)
+            or ``"off"``; ``meta["fused"]`` likewise for the fused step.
         record_keep: record the kept set of every compression event on
             ``RolloutBatch.kept_sets`` (eviction policies; a debugging and parity tool: one
             device-to-host copy of the kept positions per event). ``teacher_forced_logprobs(...,

@@ -161,6 +161,17 @@ def test_a_failed_compile_warns_and_runs_the_unfused_step(cpu_graphs, model, mon
         assert got.kept_sets.agreement(ref.kept_sets).identical == 1.0
 
 
+def test_meta_says_unused_when_no_decode_step_was_captured(cpu_graphs, model):
+    """Asked for, but no decode forward ran (the one token comes from the prefill's logits):
+    ``meta`` says ``"unused"``, not ``"on"``, and no graph was captured."""
+    ids, mask = _prompts(2)
+    out = generate(model, ids, mask, policy=Dense(), budget=None, max_new_tokens=1, temperature=0, cuda_graph=True)
+    assert (out.meta["cuda_graph"], out.meta["fused"], out.meta["graph_captures"]) == ("unused", "unused", 0)
+    off = generate(model, ids, mask, policy=Dense(), budget=None, max_new_tokens=1, temperature=0, cuda_graph=True,
+                   fused=False)
+    assert (off.meta["cuda_graph"], off.meta["fused"]) == ("unused", "off")
+
+
 def test_fused_defaults_to_the_graph_step(cpu_graphs, model):
     """``fused=None`` (the default) compiles the captured step whenever ``cuda_graph`` is on."""
     ids, mask = _prompts(2)
