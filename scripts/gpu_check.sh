@@ -62,7 +62,7 @@ install() {
     echo "$GPU_CHECK_EXTRA_SITE" > "$(/tmp/gpu-venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/extra.pth"
     /tmp/gpu-venv/bin/python -m pip uninstall -q -y setuptools 2>/dev/null || true  # use the site's
   fi
-  /tmp/gpu-venv/bin/python -m pip install --no-index "${links[@]}" trl==1.16.0 einops || return 1
+  /tmp/gpu-venv/bin/python -m pip install --no-index "${links[@]}" trl==1.16.0 || return 1
   /tmp/gpu-venv/bin/python -c "import trl, datasets, accelerate; print('trl', trl.__version__)"
 }
 
@@ -71,7 +71,7 @@ env_info() {
   $PY - <<'PYEOF'
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name())
-for m in ("transformers", "flashinfer", "trl", "datasets", "accelerate", "einops", "scipy"):
+for m in ("transformers", "flashinfer", "trl", "datasets", "accelerate"):
     try:
         print(m, importlib.import_module(m).__version__)
     except Exception as exc:

@@ -11,7 +11,7 @@
 # call carried stays on the warm machine, so carry .gpu/wheels-pyarrow in one call and
 # .gpu/wheels + .gpu/flashinfer_aot.tar.xz in the next (scripts/gpu_check.sh installs from both).
 # On the GPU machine: a venv with --system-site-packages, then pip install --no-index
-# --find-links .gpu/wheels --find-links .gpu/wheels-pyarrow trl==1.16.0 einops (pip resolves
+# --find-links .gpu/wheels --find-links .gpu/wheels-pyarrow trl==1.16.0 (pip resolves
 # against torch/transformers already there and takes only what is missing; gpu_check.sh does it).
 # .gpu/ is git-ignored (.gitignore).
 set -euo pipefail
@@ -22,7 +22,7 @@ PIP="${PIP:-/work/main/.venv/bin/python -m pip}"
 LOCK=requirements.lock
 # trl's own requirements (minus torch/transformers/numpy/huggingface_hub/packaging/pyyaml/jinja2,
 # which a torch + transformers machine has) and datasets', pandas' and multiprocess' below them.
-PACKAGES=(trl accelerate datasets pandas pyarrow psutil dill multiprocess xxhash python-dateutil tzdata einops)
+PACKAGES=(trl accelerate datasets pandas pyarrow psutil dill multiprocess xxhash python-dateutil tzdata)
 mkdir -p "$DEST"
 pin() {  # the lock's version of $1 (names compared case- and -/_-insensitively)
   local want; want=$(echo "$1" | tr 'A-Z_' 'a-z-')
