@@ -557,9 +557,12 @@ def print_tables(result: dict) -> None:
                           f"{c['ratio']:.2f}x" if "ratio" in c else ""]
         if r["policy"].startswith("RKV") and r.get("event") and "ops" in r.get("meta", {}):
             m = r["meta"]
-            ops_ok, bytes_ok = m["ops"] <= TARGET_RKV_KERNELS, m["ratio"] <= TARGET_RKV_BYTES
+            ops_ok = m["ops"] <= TARGET_RKV_KERNELS
+            # two byte counts: each gather's whole source (an over-count), the elements it reads
+            verdicts = ["met" if m[k] <= TARGET_RKV_BYTES else "missed" for k in ("ratio", "ratio_gathered")]
             cells.append(f"<= {TARGET_RKV_KERNELS} ops: {'met' if ops_ok else 'missed'}; "
-                         f"<= {TARGET_RKV_BYTES:g}x: {'met' if bytes_ok else 'missed'} (CUDA ops)")
+                         f"<= {TARGET_RKV_BYTES:g}x: {verdicts[0]} / {verdicts[1]} counting gathered elements "
+                         "(CUDA ops)")
         else:
             cells.append("")
         rows.append(cells)
