@@ -124,18 +124,15 @@ def fused_forward(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
         return compiled_forward()(model, ids, positions, {cache_keyword(model): PASS_CACHE})
 
 
-def capture_fused(make, *, fused: str, restore: list[torch.Tensor]):
+def capture_fused(make, *, fused: str):
     """``(make(True), "on")`` when ``fused`` is ``"on"`` and the fused step compiles and captures;
     otherwise ``(make(False), fused)``, after one ``RuntimeWarning`` and with ``fused`` =
-    ``"failed: <error>"`` when the fused attempt raised (``restore``, the tensors a partial
-    warm-up step may have added to, are put back first)."""
+    ``"failed: <error>"`` when the fused attempt raised (the runners undo a warm-up step's
+    writes even when it raises part way, so the unfused capture starts from the same state)."""
     if fused == "on":
-        saved = [t.clone() for t in restore]
         try:
             return make(True), "on"
         except Exception as exc:
-            for t, s in zip(restore, saved):
-                t.copy_(s)
             fused = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             warnings.warn(f"fused: compiling or capturing the fused decode step failed, running it unfused ({fused[8:]})",
                           RuntimeWarning, stacklevel=3)

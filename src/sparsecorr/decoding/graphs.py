@@ -62,6 +62,18 @@ def check_graph_device(device: torch.device) -> None:
         raise ValueError(f"cuda_graph: needs the model on a CUDA device, got {device}")
 
 
+def _warm_up(fn, restore: list[torch.Tensor]) -> None:
+    """Run ``fn`` once and undo its writes to ``restore`` (the observation rings and the running
+    page sums, which the replays would otherwise add to twice), also when it raises part way
+    (a failed compile of the fused step: the unfused capture then starts from the same state)."""
+    saved = [w.clone() for w in restore]
+    try:
+        fn()
+    finally:
+        for w, s in zip(restore, saved):
+            w.copy_(s)
+
+
 class CudaGraphRunner:
     """Warm up ``fn`` on the device's capture stream, capture it there, replay it (the output
     tensor is rewritten in place by every replay). The warm-up's side effects on ``restore`` (the
@@ -69,14 +81,11 @@ class CudaGraphRunner:
     undone. ``fn`` is not kept."""
 
     def __init__(self, fn, *, pool, restore: list[torch.Tensor], device: torch.device) -> None:
-        saved = [w.clone() for w in restore]
         side = capture_stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn()  # lazy initialisations (cuBLAS handles, FlashInfer modules) happen outside capture
+            _warm_up(fn, restore)  # lazy initialisations (cuBLAS handles, FlashInfer modules) outside capture
         torch.cuda.current_stream().wait_stream(side)
-        for w, s in zip(restore, saved):
-            w.copy_(s)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, stream=side):
             self.out = fn()
@@ -96,10 +105,7 @@ class EagerRunner:
     with `CudaGraphRunner`'s warm-up call (where the fused step compiles) and its restore."""
 
     def __init__(self, fn, *, restore: list[torch.Tensor] = (), **_: object) -> None:
-        saved = [w.clone() for w in restore]
-        fn()
-        for w, s in zip(restore, saved):
-            w.copy_(s)
+        _warm_up(fn, restore)
         self.fn = fn
 
     @staticmethod
@@ -196,7 +202,7 @@ class DecodeGraphs:
         make = lambda fused: self.runner(  # noqa: E731
             functools.partial(_graph_forward, e.model, e.cache, st, static_ids, fused),
             pool=self.pool, restore=restore, device=e.device)
-        c.runner, self.fused = capture_fused(make, fused=self.fused, restore=restore)
+        c.runner, self.fused = capture_fused(make, fused=self.fused)
         self.capture_s += time.perf_counter() - t0  # torch.cuda.graph syncs on entry
         self.captures += 1
         self.captured = {b: c}
