@@ -129,10 +129,9 @@ def forward(model, *, input_ids: torch.Tensor, position_ids: torch.Tensor, cache
             logits_to_keep: int | torch.Tensor = 0, output_hidden_states: bool = False):
     """One model forward over ``input_ids`` ``[B, Q]`` at ``position_ids`` ``[B, Q]`` into ``cache``
     (a peft wrapper passes the keyword through, so the model it wraps picks it)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
                  logits_to_keep=logits_to_keep, output_hidden_states=output_hidden_states,
-                 **{_cache_keyword(type(base)): cache})
+                 **{cache_keyword(model): cache})
 
 
 def register_attention(name: str, attend: Callable[..., torch.Tensor]) -> None:
