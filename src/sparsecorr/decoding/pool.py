@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .policies.base import matmul_f32, merge_rows, split_rows
+from .policies.rkv import unit_weights, weighted_key_sum
 
 __all__ = ["KVPool", "ring_order", "ring_slots"]
 
@@ -167,14 +167,12 @@ class KVPool:
         self.norms_all.scatter_(3, slots[None, :, None, :].expand(shape[:4]), norms)
 
     def _unit_weighted_sum(self, w: torch.Tensor, lo: int) -> torch.Tensor:
-        r"""\(\sum_j w_j k_j\) over slots ``lo .. lo + m - 1`` of every layer (one GEMV, float32
-        accumulation; the float32 weights split into two rows for a bf16 pool, `split_rows`).
+        r"""\(\sum_j w_j k_j\) over slots ``lo .. lo + m - 1`` of every layer (`weighted_key_sum`).
 
         Shapes:
             w ``[L, B, H_kv, m]`` float32 -> ``[L, B, H_kv, D]`` float32.
         """
-        keys = self.k_all[:, :, :, lo:lo + w.shape[-1]]
-        return merge_rows(matmul_f32(split_rows(w[..., None, :], keys.dtype), keys), 1)[..., 0, :]
+        return weighted_key_sum(w, self.k_all[:, :, :, lo:lo + w.shape[-1]])[..., 0, :]
 
     def sync_unit_sums(self, counts: torch.Tensor, *, low: int, high: int) -> None:
         r"""Add the unit keys of the slots written since the sums were last brought up to date,
@@ -192,7 +190,7 @@ class KVPool:
         if high > lo:
             j = torch.arange(lo, high, device=counts.device)
             new = (j >= self.unit_upto[:, None]) & (j < counts[:, None])  # [B, m]
-            w = new[None, :, None, :] / self.norms_all[:, :, :, lo:high].clamp(min=1e-12)
+            w = unit_weights(new[None, :, None, :], self.norms_all[:, :, :, lo:high])
             self.unit_sum_all += self._unit_weighted_sum(w, lo)
         self.unit_upto, self.unit_lo = counts, low
 
@@ -215,9 +213,9 @@ class KVPool:
         in_kept.scatter_(-1, torch.where(kept, index, s), True)
         gone = valid & ~in_kept[..., :s]  # evicted: valid and not kept
         ev = gone.to(torch.uint8).topk(evicted, dim=-1).indices  # [L, B, H, E]: the evicted slots first
-        w = gone.gather(-1, ev) / self.norms_all[..., :valid.shape[-1]].gather(-1, ev).clamp(min=1e-12)
+        w = unit_weights(gone.gather(-1, ev), self.norms_all[..., :s].gather(-1, ev))
         keys = self.k_all.gather(3, ev[..., None].expand(*ev.shape, self.k_all.shape[-1]))
-        self.unit_sum_all -= merge_rows(matmul_f32(split_rows(w[..., None, :], keys.dtype), keys), 1)[..., 0, :]
+        self.unit_sum_all -= weighted_key_sum(w, keys)[..., 0, :]
         self.unit_upto, self.unit_lo = counts, low
 
     def keep_unit_sums(self, valid: torch.Tensor, counts: torch.Tensor, *, low: int) -> None:
@@ -229,7 +227,7 @@ class KVPool:
             valid ``[L, B, H_kv, K]`` (the kept set's valid entries); counts ``[B]`` (device long,
             valid slots per row after the compaction); ``low``: their host minimum.
         """
-        w = valid / self.norms_all[:, :, :, :valid.shape[-1]].clamp(min=1e-12)
+        w = unit_weights(valid, self.norms_all[:, :, :, :valid.shape[-1]])
         self.unit_sum_all.copy_(self._unit_weighted_sum(w, 0))
         self.unit_upto, self.unit_lo = counts, low
 

@@ -19,7 +19,7 @@ import torch
 from .base import Kind, KVPolicy, matmul_f32, merge_rows, split_rows, window_votes
 from .snapkv import check_window_policy, pool_scores
 
-__all__ = ["RKV", "key_redundancy", "rkv_parts"]
+__all__ = ["RKV", "key_redundancy", "rkv_parts", "unit_weights", "weighted_key_sum"]
 
 
 def _valid_range(x: torch.Tensor, valid: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +58,22 @@ def mix_minmax(imp: torch.Tensor, red: torch.Tensor, valid: torch.Tensor, *, mix
 _EPS = 1e-12  # F.normalize's floor on a key's norm (a zero key has unit key 0)
 
 
+def unit_weights(mask: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    r"""\(w_j = \mathrm{mask}_j / \max(n_j, 10^{-12})\): the weights that turn keys into unit keys
+    (``F.normalize``'s floor) and drop the slots outside ``mask``, float32. Shapes: ``[..., S]``."""
+    return mask / norms.clamp(min=_EPS)
+
+
+def weighted_key_sum(w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    r"""\(\sum_j w_j k_j\) with float32 accumulation, reading the keys as stored (one GEMV; the
+    float32 weights split into two rows for a bf16 cache, `split_rows`).
+
+    Shapes:
+        w ``[..., S]`` float32; keys ``[..., S, D]`` -> ``[..., 1, D]`` float32.
+    """
+    return merge_rows(matmul_f32(split_rows(w[..., None, :], keys.dtype), keys), 1)
+
+
 def _unit_sum(keys: torch.Tensor, valid: torch.Tensor, norms: torch.Tensor | None = None,
               unit_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Norms, per-slot weights and the sum of the unit keys, from the keys as stored.
@@ -74,11 +90,10 @@ def _unit_sum(keys: torch.Tensor, valid: torch.Tensor, norms: torch.Tensor | Non
         ``[B, H, S]`` and s ``[B, H, 1, D]`` float32.
     """
     n = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32) if norms is None else norms
-    w = valid / n.clamp(min=_EPS)
+    w = unit_weights(valid, n)
     if unit_sum is not None:
         return n, w, unit_sum
-    s = merge_rows(matmul_f32(split_rows(w[:, :, None, :], keys.dtype), keys), 1)
-    return n, w, s
+    return n, w, weighted_key_sum(w, keys)
 
 
 def _redundancy_from(dots: torch.Tensor, n: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
