@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP_VERSION := 26.3
 TORCH_VERSION := 2.13.0
-# the fused kernels' Triton (sparsecorr::window_votes), tested on the CPU by Triton's interpreter
+# the fused kernels' Triton (sparsecorr::window_votes, sparsecorr::write_kv), tested on the CPU by Triton's interpreter
 TRITON_VERSION := 3.9.0
 # peers of the parity tests, installed without their GPU-only dependencies (the tests load their
 # loss code through tests/openrlhf_shim.py and tests/verl_shim.py)
@@ -105,7 +105,7 @@ test-triton: $(STAMP)
 	@[ -f .venv-triton/.triton-$(TRITON_VERSION) ] || { rm -rf .venv-triton && $(BIN)/python -m pip install -q \
 	  --no-deps --target .venv-triton triton==$(TRITON_VERSION) && touch .venv-triton/.triton-$(TRITON_VERSION); }
 	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR)/.venv-triton $(BIN)/python -m pytest -q -m "not gpu" \
-	  tests/unit/decoding/test_votes.py $(PYTEST_ARGS)
+	  tests/unit/decoding/test_votes.py tests/unit/decoding/test_kv_write.py $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)

@@ -17,9 +17,10 @@
 #   trl      benchmarks/bench_trl_step_gpu.py (stock GRPOTrainer vs ours, memory after each step)
 #   decode   benchmarks/bench_decoding_gpu.py 0.6B, B=8, 32k and 4k, CUDA graphs
 #   fused    tests/gpu/test_fused_gpu.py -s (the fused step: compile + capture, parity, kernels
-#            per step printed), tests/gpu/test_votes_gpu.py -s (the fused Triton votes kernel:
-#            dispatch, parity, its time against the stock chain printed) and benchmarks/bench_decode_kernels.py --smoke --cuda (torch.profiler
-#            kernels per step: eager / CUDA graph / fused; JSON in $OUT/decode_kernels.json)
+#            per step printed), tests/gpu/test_votes_gpu.py and test_kv_write_gpu.py -s (the
+#            fused Triton kernels: dispatch, parity, their times against the stock ops printed)
+#            and benchmarks/bench_decode_kernels.py --smoke --cuda (torch.profiler kernels per
+#            step: eager / CUDA graph / fused; JSON in $OUT/decode_kernels.json)
 # Budget: about 10-11 minutes on an H100 in all (pytest ~2 min, trl < 4 min, decode ~2 min,
 # fused ~2 min).
 # Prepare on the CPU machine first: bash ../shared/gpu/build_flashinfer_aot.sh and
@@ -95,7 +96,7 @@ for s in "${STEPS[@]}"; do
     decode) if [ "$CPU" = 1 ]; then step decode 240 $PY benchmarks/bench_decoding_gpu.py --smoke --out "$OUT/decode.jsonl"
             else step decode 240 $PY benchmarks/bench_decoding_gpu.py --models qwen3-0.6b --batches 8 \
                      --contexts 32768,4096 --cuda-graph --out "$OUT/decode.jsonl"; fi ;;
-    fused) step fused 240 bash -c "$PY -m pytest -q -s -m gpu tests/gpu/test_fused_gpu.py tests/gpu/test_votes_gpu.py -p no:cacheprovider -rfEs -o addopts='' ; $PY benchmarks/bench_decode_kernels.py --smoke --cuda --no-fused --json $OUT/decode_kernels.json" ;;
+    fused) step fused 240 bash -c "$PY -m pytest -q -s -m gpu tests/gpu/test_fused_gpu.py tests/gpu/test_votes_gpu.py tests/gpu/test_kv_write_gpu.py -p no:cacheprovider -rfEs -o addopts='' ; $PY benchmarks/bench_decode_kernels.py --smoke --cuda --no-fused --json $OUT/decode_kernels.json" ;;
     *) echo "gpu_check: unknown step $s (env install memory pytest trl decode fused)" >&2; exit 2 ;;
   esac
 done

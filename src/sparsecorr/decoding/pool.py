@@ -6,10 +6,10 @@ call: ``C`` (a multiple of the page size) is the most slots a row can hold under
 budget (the engine works it out), and the extra page is a scratch area
 that padding tokens of a ragged chunk are written to. Row ``b``'s valid tokens always occupy
 slots ``[0, count_b)``; a decode step writes each row's token at its own ``count_b`` (an indexed
-write, no ``torch.cat``), and a compression event gathers the kept slots of every layer to the
-front at once (`KVPool.compact_all`: one gather and one copy per stacked buffer). Seen as
-``[B · H_kv · (C / page + 1), page, D]`` each buffer is directly a paged-KV pool for a paged
-kernel (`sparsecorr.decoding.backends.paged`).
+write, no ``torch.cat``; K and V in one op, `sparsecorr.decoding.kv_write`), and a compression
+event gathers the kept slots of every layer to the front at once (`KVPool.compact_all`: one
+gather and one copy per stacked buffer). Seen as ``[B · H_kv · (C / page + 1), page, D]`` each
+buffer is directly a paged-KV pool for a paged kernel (`sparsecorr.decoding.backends.paged`).
 
 Eviction policies also keep each slot's true position (``[B, H_kv, C + page]``: after eviction
 the heads keep different tokens; one ``[L, B, H_kv, C + page]`` tensor, so a step writes every
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .kv_write import write_kv
 from .policies.rkv import unit_weights, weighted_key_sum
 
 __all__ = ["KVPool", "ring_order", "ring_slots"]
@@ -126,13 +127,12 @@ class KVPool:
             key, value ``[B, H_kv, Q, D]``; slots, pages ``[B, Q]`` (device, long).
         """
         b, h, q, d = key.shape
-        idx = slots[:, None, :, None].expand(b, h, q, d)
-        if self.grad:
+        if self.grad:  # out of place: earlier attention calls keep what they read
+            idx = slots[:, None, :, None].expand(b, h, q, d)
             self.k[layer] = self.k[layer].scatter(2, idx, key)
             self.v[layer] = self.v[layer].scatter(2, idx, value)
-        else:
-            self.k[layer].scatter_(2, idx, key)
-            self.v[layer].scatter_(2, idx, value)
+        else:  # sparsecorr::write_kv: two scatters, one kernel on CUDA
+            write_kv(self.k[layer], self.v[layer], key, value, slots)
         if self.summ is not None and pages is not None:
             self.summ[layer].scatter_add_(2, pages[:, None, :, None].expand(b, h, q, d), key.detach().float())
 

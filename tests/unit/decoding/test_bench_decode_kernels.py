@@ -28,6 +28,8 @@ def test_decode_kernel_benchmark_smoke(tmp_path):
         assert per["ours"] == int(per["ours"]) and per["ours"] >= 2  # K/V write + attention at least
         assert per["other"] == 0 and once["hf"] > 0 and once["ours"] > 0
         assert r["per_layer_where"]  # attributed to functions
+        # sparsecorr::write_kv: two scatters here, one kernel on CUDA (a layer's K/V write)
+        assert per["ours_on_cuda"] == per["ours"] - 1
     assert step["Dense"]["per_layer"]["ours"] <= step["SnapKV"]["per_layer"]["ours"]
     assert step["BlockTopK"]["per_layer"]["ours"] > step["Dense"]["per_layer"]["ours"]
     fused = {r["policy"]: r for r in res["fused"]}
@@ -37,6 +39,7 @@ def test_decode_kernel_benchmark_smoke(tmp_path):
         assert per["extern"] == 7 and per["custom"] == 1  # q, k, v, o, gate, up, down; sparsecorr::attend
         assert 1 <= per["inductor"] <= 12 and per["aten"] == 0  # HF's 53 elementwise ops, fused
         assert per["in_custom_op"] == step[name]["per_layer"]["ours"]  # the op runs the eager step's own ops
+        assert per["total_on_cuda"] == per["total"] - 1  # its K/V write: one kernel on CUDA
         assert per["total"] < step[name]["per_layer"]["hf"] and r["compile_s"] > 0
     assert fused["Dense"]["per_layer"]["total"] <= 16
     comp = {r["policy"]: r for r in res["compress"]}

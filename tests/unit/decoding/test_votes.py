@@ -7,8 +7,6 @@ CPU under Triton's interpreter (``make test-triton`` installs Triton beside the 
 runs this file with ``TRITON_INTERPRET=1``); elsewhere those tests are skipped.
 """
 
-import importlib.util
-import os
 import warnings
 
 import pytest
@@ -18,13 +16,7 @@ from hypothesis import strategies as st
 
 from sparsecorr.decoding.policies import RKV, SnapKV, compress
 from sparsecorr.decoding.policies import votes as V
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Triton's interpreter is chosen when Triton is imported: the variable is set by the caller
-RUN_TRITON = importlib.util.find_spec("triton") is not None and (
-    DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-needs_triton = pytest.mark.skipif(not RUN_TRITON, reason="needs Triton and a GPU, or Triton's interpreter "
-                                  "(TRITON_INTERPRET=1 with Triton installed: make test-triton)")
+from tests.unit.decoding.triton_marks import DEVICE, needs_triton
 
 
 def _loop_votes(logits, valid, weights, scale):

@@ -32,9 +32,10 @@ differentiates them): `window_votes` detaches its input.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
+
+from ..kernels import fused_or_stock
 
 __all__ = ["votes_reference", "window_votes"]
 
@@ -132,15 +133,8 @@ _failed: list[str] = []  # the first failure's message: later calls go straight 
 
 @_votes_op.register_kernel("cuda")
 def _votes_cuda(logits, valid, weights, scale):  # pragma: no cover - runs on CUDA (tests: interpreter)
-    if not _failed:
-        try:
-            with torch.cuda.device_of(logits):  # Triton launches on the current device
-                return votes_triton(logits, valid, weights, scale)
-        except Exception as err:  # no Triton, or a kernel that does not build here
-            _failed.append(f"{type(err).__name__}: {err}")
-            warnings.warn(f"sparsecorr::window_votes: the fused Triton kernel failed ({_failed[0]}); "
-                          "using the stock ops (same values)", RuntimeWarning, stacklevel=2)
-    return votes_reference(logits, valid, weights, scale)
+    return fused_or_stock("sparsecorr::window_votes", _failed, votes_triton, votes_reference,
+                          logits, valid, weights, scale)
 
 
 def window_votes(logits: torch.Tensor, valid: torch.Tensor, query_valid: torch.Tensor | None, *,
