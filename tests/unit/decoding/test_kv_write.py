@@ -62,6 +62,17 @@ def test_write_kv_op_registration():
     assert not k_cache.requires_grad and not v_cache.requires_grad
 
 
+def test_write_kv_compiles_without_a_graph_break():
+    """Traced by dynamo (``fullgraph=True``) and functionalised by AOTAutograd, the op stays one op
+    that writes the caches in place."""
+    k_cache, v_cache, key, value, slots = _inputs(4, 2, 2, 3, 8, 7, dtype=torch.float32)
+    want = _loop_write(k_cache, v_cache, 2 * key, value, slots)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda kc, vc, k, v, s: W.write_kv(kc, vc, 2 * k, v, s), fullgraph=True, backend="aot_eager")
+    fn(k_cache, v_cache, key, value, slots)
+    assert torch.equal(k_cache, want[0]) and torch.equal(v_cache, want[1])
+
+
 class _Ops(TorchDispatchMode):
     def __init__(self):
         super().__init__()
