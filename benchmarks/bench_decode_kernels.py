@@ -187,20 +187,20 @@ def _model(layers: int, smoke: bool):
     return tiny_model("qwen3", num_layers=layers, dtype=torch.bfloat16, **kw)
 
 
-def _count_generate(model, ids, mask, policy, budget: int, steps: int) -> KernelCounter:
+def _count_generate(model, ids, mask, policy, budget: int, steps: int, backend=None) -> KernelCounter:
     counter = KernelCounter()
     with counter:
         # prefill one token per forward: a CausalBias (the aligned-chunk mask) cannot be built
         # under a dispatch mode; the prefill is the same in both counts and cancels
         generate(model, ids, mask, policy=policy, budget=budget, max_new_tokens=steps, temperature=0,
-                 backend="torch", logprobs_topk=0, prefill_chunk=1)
+                 backend=backend() if backend else "torch", logprobs_topk=0, prefill_chunk=1)
     return counter
 
 
 _WARM: set[int] = set()
 
 
-def step_counts(policy, *, layers: int, smoke: bool, ragged: bool = False) -> dict[str, Counter]:
+def step_counts(policy, *, layers: int, smoke: bool, ragged: bool = False, backend=None) -> dict[str, Counter]:
     """Ops of one eager decode step by owner (and by frame) for a ``layers``-deep model
     (``ragged``: the two rows' prompts differ by one token, so every step carries an attention
     mask)."""
@@ -215,7 +215,7 @@ def step_counts(policy, *, layers: int, smoke: bool, ragged: bool = False) -> di
     if layers not in _WARM:  # lazy initialisations happen outside the counts
         _count_generate(model, ids, mask, policy, budget, 2)
         _WARM.add(layers)
-    a, b = (_count_generate(model, ids, mask, policy, budget, n) for n in (1, 2))
+    a, b = (_count_generate(model, ids, mask, policy, budget, n, backend) for n in (1, 2))
     return {"owner": Counter({k: b.by_owner[k] - a.by_owner[k] for k in ("hf", "ours", "other")}),
             "saved_on_cuda": Counter({k: b.saved_on_cuda[k] - a.saved_on_cuda[k] for k in ("hf", "ours", "other")}),
             "where": Counter({k: b.by_where[k] - a.by_where[k] for k in b.by_where | a.by_where})}
@@ -238,6 +238,28 @@ def step_table(smoke: bool) -> list[dict]:
         rows.append({"policy": label, "name": name, "ragged": ragged, "per_layer": per,
                      "once_per_step": once, "per_layer_where": layer_where, "target_ours": TARGET_STEP[name]})
     return rows
+
+
+# the frames of BlockTopK's page selection and of its write into a paged kernel's table
+_SELECTION = ("decoding/policies/block_topk.py:", "decoding/policies/base.py:matmul_f32",
+              "decoding/cache.py:_attend_selected", "decoding/backends/paging.py:scatter_selected_pages")
+
+
+def paged_selection(smoke: bool) -> dict:
+    """BlockTopK's selection on the paged path (a GPU's: FlashInfer's page tables; here the
+    float32 paged oracle behind the same kernel interface): the ops per sparse layer of one
+    eager decode step that rank the pages and write them into the kernel's table, by function
+    (the kernel's own ops, and everything not in `_SELECTION`'s frames, left out)."""
+    from sparsecorr.decoding.backends.paged import PagedBackend, ReferenceDecodeKernel
+
+    def backend():
+        return PagedBackend(ReferenceDecodeKernel, name="paged-oracle")
+
+    pol = dict(step_policies(smoke))["BlockTopK"]
+    c2, c4 = (step_counts(pol, layers=n, smoke=smoke, backend=backend) for n in (2, 4))
+    where = {k[1]: (c4["where"][k] - c2["where"][k]) / 2 for k in c4["where"] | c2["where"]
+             if k[1].startswith(_SELECTION) and c4["where"][k] != c2["where"][k]}
+    return {"per_layer": sum(where.values()), "where": where}
 
 
 # -- the fused step (torch.compile of the captured step) ----------------------------------------------
@@ -559,6 +581,11 @@ def print_tables(result: dict) -> None:
     print("## eager decode step (torch backend): ops per layer and once per step\n")
     print(table(["policy", "HF/layer", "ours/layer", "ours/layer (CUDA)", "other/layer", "HF/step", "ours/step",
                  "target ours/layer", ""], rows))
+    sel = result.get("paged_selection")
+    if sel:
+        print(f"\nBlockTopK on the paged path (FlashInfer's tables; the oracle kernel here): "
+              f"{_fmt(sel['per_layer'])} ops per sparse layer rank the pages and write them into the kernel's table ("
+              + ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(sel["where"].items())) + ")")
     print_fused(result.get("fused"))
     print("\n## our per-layer ops by function\n")
     for r in result["step"]:
@@ -618,7 +645,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     setup(2)
     torch.manual_seed(0)
-    result = {"smoke": args.smoke, "step": step_table(args.smoke), "compress": compress_table(args.smoke)}
+    result = {"smoke": args.smoke, "step": step_table(args.smoke), "paged_selection": paged_selection(args.smoke),
+              "compress": compress_table(args.smoke)}
     if not args.no_fused:
         result["fused"] = fused_table(args.smoke)
     if args.cuda and torch.cuda.is_available():

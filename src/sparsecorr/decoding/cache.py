@@ -66,7 +66,7 @@ class Step:
     plan: SelectionPlan | None = None  # the selection's per-step part (once per step, not per layer)
     win_slots: torch.Tensor | None = None  # [B, Q] ring columns of the queries (eviction policies)
     bias: list | None = None  # [(mask, its additive bias)] of a single-token step (made by the first layer)
-    gather: tuple | None = None  # the selection's gather offsets and mask (made by the first sparse layer)
+    gather: tuple | None = None  # a single-token selection's bias, k, gather offsets and mask (first sparse layer)
 
 
 class SparseKVCache(CacheBase):
@@ -142,27 +142,29 @@ class SparseKVCache(CacheBase):
     def _attend_selected(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
         st, pool = self.step, self.pool
         ps = pool.page_size
-        if st.paged or st.q_len > 1:
+        if st.q_len > 1:  # a teacher-forced chunk: one page mask per query
             pages, ok = select_pages(self.policy, summaries=pool.summ[layer], query=query,
                                      slots=st.query_slots, budgets=st.budgets, k=st.keep_max, plan=st.plan)
-            if st.paged:
-                return self.backend.decode(query, pool.k[layer], pool.v[layer],
-                                           selected=(pages[:, :, 0], ok[:, :, 0]))
-            # a teacher-forced chunk: one page mask per query
             sel = pages_to_mask(pages, ok, page_size=ps, slots=st.kv_len)
             return self.backend.attend(query, key, value, sel & st.mask, scaling=scaling)
-        # one token: gather the selected pages (O(budget) attention instead of O(S)), the
-        # query's own page first (`rank_pages`), so the slot mask is the step's, not the layer's
+        # one token: the top pages in rank order, the query's own page first (`rank_pages`: three
+        # ops, no fill, no sort); a row's first keep_b ranks are its selection
         b, h = pool.summ_all.shape[1:3]
         if st.gather is None:  # the step's part: the same for every sparse layer
             plan = st.plan if st.plan is not None else selection_plan(
                 self.policy, slots=st.query_slots, budgets=st.budgets, k=st.keep_max, n_pages=pool.pages_per_row)
-            offsets = torch.arange(ps, device=query.device)
-            allowed = gather_mask(plan.keep[:, :1], st.query_slots[:, :1], k=plan.k, page_size=ps)
             bias = plan.bias.expand(b, h, 1, plan.n_pages).reshape(b * h, 1, plan.n_pages)
-            st.gather = (offsets, allowed[:, :, None, :], bias, plan.k)
-        offsets, mask, bias, k = st.gather
+            if st.paged:  # the kernel's table counts keep_b pages per row; the ranks below it
+                st.gather = (bias, plan.k, None, plan.ok[:, :, 0].expand(b, h, plan.k))
+            else:  # the gathered pages' slot offsets and mask
+                allowed = gather_mask(plan.keep[:, :1], st.query_slots[:, :1], k=plan.k, page_size=ps)
+                st.gather = (bias, plan.k, torch.arange(ps, device=query.device), allowed[:, :, None, :])
+        bias, k, offsets, mask = st.gather
         top = rank_pages(summaries=pool.summ[layer], query=query, bias=bias, k=k)  # [B, H, 1, k]
+        if st.paged:  # written into the kernel's page table, the own page last (scatter_selected_pages)
+            return self.backend.decode(query, pool.k[layer], pool.v[layer], selected=(top[:, :, 0], mask))
+        # gather the selected pages (O(budget) attention instead of O(S)); the own page first, so
+        # the slot mask is the step's, not the layer's
         slot = torch.add(offsets, top[..., None], alpha=ps).reshape(b, h, -1)  # in range: pages < P
         idx = slot[..., None].expand(-1, -1, -1, pool.k[layer].shape[-1])
         k_sel, v_sel = pool.k[layer].gather(2, idx), pool.v[layer].gather(2, idx)

@@ -1,5 +1,5 @@
 """Issue 36: the closed-form R-KV, the argsort-free ``compress``, the op-lean ``group_scores`` and
-BlockTopK's planned ``select_pages`` / offset ``scatter_selected_pages`` give what the code of
+BlockTopK's planned ``select_pages`` / ranked, offset ``scatter_selected_pages`` give what the code of
 commit 1ac3959 gave (``reference_policies``, kept verbatim): scores to float rounding, identical
 kept sets and pages on inputs without near-ties, in float32 and bf16."""
 
@@ -20,7 +20,7 @@ from sparsecorr.decoding.policies import (
     key_redundancy,
 )
 from sparsecorr.decoding.policies.base import matmul_f32, merge_rows, split_rows
-from sparsecorr.decoding.policies.block_topk import select_pages, selection_plan
+from sparsecorr.decoding.policies.block_topk import rank_pages, select_pages, selection_plan
 from tests.property.decoding import reference_policies as ref
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
@@ -184,11 +184,18 @@ def test_select_pages_equals_todays(data):
 
 @given(selection(), st.integers(3, 6))
 @settings(max_examples=40)
-def test_scatter_with_step_offsets_equals_todays(data, pages_per_row):
+def test_ranked_scatter_with_step_offsets_writes_todays_pages_own_page_last(data, pages_per_row):
+    """The paged decode's selection in rank order (`rank_pages`: the query's own page first, no
+    fill, no sort), written with or without the step's offsets: each request's entries are the
+    pages today's code wrote (ascending `select_pages` through the old scatter), as a set, with
+    the own page last (the page a paged kernel reads as partial); one set of offsets serves
+    every layer of the step."""
     pol, summaries, query, slots, budgets = data
-    slots, budgets = slots[:, :1], budgets[:, :1]
-    n_pages = summaries.shape[2]
-    pages, ok = select_pages(pol, summaries=summaries, query=query[:, :, :1], slots=slots, budgets=budgets, k=n_pages)
+    slots, budgets, query = slots[:, :1], budgets[:, :1], query[:, :, :1]
+    b, h, n_pages, _ = summaries.shape
+    pages, ok, score = ref.select_pages(pol, summaries=summaries, query=query, slots=slots, budgets=budgets,
+                                        k=n_pages)
+    assume(_tie_free(score, torch.isfinite(score), 1e-4))
     pages, ok = pages[:, :, 0], ok[:, :, 0]
     counts = ok.reshape(-1, ok.shape[-1]).sum(-1)
     indptr = torch.zeros(counts.numel() + 1, dtype=torch.int32)
@@ -196,13 +203,22 @@ def test_scatter_with_step_offsets_equals_todays(data, pages_per_row):
     nnz = int(indptr[-1])
     want = torch.full((nnz + 1,), -7, dtype=torch.int32)
     ref.scatter_selected_pages(want, indptr, pages, ok, pages_per_row=pages_per_row)
+    plan = selection_plan(pol, slots=slots, budgets=budgets, k=n_pages, n_pages=n_pages)
+    bias = plan.bias.expand(b, h, 1, n_pages).reshape(b * h, 1, n_pages)
+    ranked = rank_pages(summaries=summaries.float(), query=query, bias=bias, k=plan.k)[:, :, 0]
+    ranked_ok = plan.ok[:, :, 0].expand(b, h, plan.k)
     plain = torch.full((nnz + 1,), -7, dtype=torch.int32)
-    scatter_selected_pages(plain, indptr, pages, ok, pages_per_row=pages_per_row)
-    offsets = selection_offsets(indptr, k=pages.shape[-1], pages_per_row=pages_per_row, dump=nnz)
+    scatter_selected_pages(plain, indptr, ranked, ranked_ok, pages_per_row=pages_per_row)
+    offsets = selection_offsets(indptr, k=plan.k, pages_per_row=pages_per_row, dump=nnz)
     once = torch.full((nnz + 1,), -7, dtype=torch.int32)
     for _ in range(2):  # the same offsets serve every layer of the step
-        scatter_selected_pages(once, indptr, pages, ok, pages_per_row=pages_per_row, offsets=offsets)
-    assert torch.equal(plain[:nnz], want[:nnz]) and torch.equal(once[:nnz], want[:nnz])
+        scatter_selected_pages(once, indptr, ranked, ranked_ok, pages_per_row=pages_per_row, offsets=offsets)
+    own = slots[:, 0] // pol.page_size  # [B] the query's page
+    for r in range(b * h):
+        lo, hi = int(indptr[r]), int(indptr[r + 1])
+        for got in (plain, once):
+            assert sorted(got[lo:hi].tolist()) == sorted(want[lo:hi].tolist())
+            assert int(got[hi - 1]) == r * pages_per_row + int(own[r // h])
 
 
 @pytest.mark.gpu

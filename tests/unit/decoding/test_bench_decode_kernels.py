@@ -32,6 +32,8 @@ def test_decode_kernel_benchmark_smoke(tmp_path):
         assert per["ours_on_cuda"] == per["ours"] - 1
     assert step["Dense"]["per_layer"]["ours"] <= step["SnapKV"]["per_layer"]["ours"]
     assert step["BlockTopK"]["per_layer"]["ours"] > step["Dense"]["per_layer"]["ours"]
+    # BlockTopK's selection on the paged path: group-mean query, baddbmm, top-k, the table write (2)
+    assert res["paged_selection"]["per_layer"] == 5 and "BlockTopK on the paged path" in run.stdout
     fused = {r["policy"]: r for r in res["fused"]}
     assert set(fused) == {"Dense", "RKV"}
     for name, r in fused.items():

@@ -102,8 +102,11 @@ class SelectionOffsets:
     [`selection_offsets`][sparsecorr.decoding.backends.paging.selection_offsets]).
 
     Shapes:
-        pos ``[R · K]`` long: buffer position of entry ``(r, i)`` (``indptr[r] + i`` while ``i`` is
-        below the request's page count, else the dump entry ``buffer[-1]``); base ``[R, 1]`` long:
+        pos ``[R · K]`` long: buffer position of entry ``(r, i)`` of a selection in rank order
+        (`sparsecorr.decoding.policies.block_topk.rank_pages`: the query's own page first): with
+        ``c_r`` the request's page count, entry 0 goes last (``indptr[r] + c_r - 1``: a paged
+        kernel reads a request's last page as the partial one), entry ``0 < i < c_r`` to
+        ``indptr[r] + i - 1``, the rest to the dump entry ``buffer[-1]``; base ``[R, 1]`` long:
         ``r · pages_per_row`` (the first page of request ``r``'s pool row).
     """
 
@@ -123,7 +126,8 @@ def selection_offsets(indptr: torch.Tensor, *, k: int, pages_per_row: int, dump:
     r = indptr.numel() - 1
     start, counts = indptr[:-1].long()[:, None], (indptr[1:] - indptr[:-1]).long()[:, None]
     i = torch.arange(k, device=indptr.device)
-    pos = torch.where(i < counts, start + i, dump)
+    at = torch.where(i == 0, counts - 1, i - 1)  # rank 0 (the query's own page) last, the others before it
+    pos = torch.where(i < counts, start + at, dump)
     return SelectionOffsets(pos=pos.reshape(-1), base=torch.arange(r, device=indptr.device)[:, None] * pages_per_row)
 
 
@@ -132,8 +136,11 @@ def scatter_selected_pages(buffer: torch.Tensor, indptr: torch.Tensor, pages: to
                            offsets: SelectionOffsets | None = None) -> None:
     """Write a selection's page ids into a table's ``indices`` buffer, in place, on its device.
 
-    Request ``r``'s ``ok`` pages are the first ones of its (ascending) ``pages`` row and go to
-    ``buffer[indptr[r] : indptr[r + 1]]``; the rest go to the dump entry ``buffer[-1]``. The
+    Request ``r``'s ``ok`` pages are the first ones of its ``pages`` row, in rank order (the
+    query's own page first, as `sparsecorr.decoding.policies.block_topk.rank_pages` ranks them),
+    and go to ``buffer[indptr[r] : indptr[r + 1]]`` with the own page last (a paged kernel reads
+    a request's last page as the partial one; attention does not depend on the order of the
+    others); the rest go to the dump entry ``buffer[-1]``. The
     counts of ``ok`` must match ``indptr`` (the engine derives both from the same keep counts;
     the write positions are taken from ``indptr``, so ``ok`` itself is not read). With ``offsets`` (built once per step by
     [`selection_offsets`][sparsecorr.decoding.backends.paging.selection_offsets]; then ``ok`` is

@@ -220,6 +220,9 @@ def rank_pages(*, summaries: torch.Tensor, query: torch.Tensor, bias: torch.Tens
     the query's own page (``2 · FORCED``) first and the other forced pages (``FORCED``) before
     every scored page, so a caller that knows ``keep`` per row (the plan) reads entries
     ``[0, keep)`` and ignores the rest (valid page ids below ``P``, so they can be gathered).
+    The engine's single-token steps use it on both paths: the gather path gathers the pages'
+    slots; the paged path writes the ranks into the kernel's page table with the own page last
+    ([`selection_offsets`][sparsecorr.decoding.backends.paging.selection_offsets]).
 
     Args:
         summaries: the running float32 page sums ``[B, H_kv, P, D]`` (contiguous).
