@@ -11,10 +11,11 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_gloo"]
+__all__ = ["free_port", "run_gloo"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a rendezvous of our own)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -36,6 +37,6 @@ def run_gloo(fn: Callable[[int, int], Any], world: int = 2) -> dict[int, Any]:
     ``fn`` must be a module-level function (spawned processes import it) returning picklable data.
     """
     out = mp.get_context("spawn").Manager().dict()
-    mp.start_processes(_entry, args=(world, _free_port(), fn, out), nprocs=world, join=True,
+    mp.start_processes(_entry, args=(world, free_port(), fn, out), nprocs=world, join=True,
                        start_method="spawn")
     return dict(out)

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,8 @@ pytest.importorskip("trl")
 import psutil  # accelerate's dependency: finds the launcher's ranks on a timeout
 from safetensors.torch import load_file
 
+from tests.distributed import free_port
+
 pytestmark = [pytest.mark.dist]
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -26,12 +27,6 @@ WORKER = "tests/integration/trl/dist_worker.py"
 TIMEOUT_S = 240  # a run takes ~15 s alone, ~60 s on a loaded 2-core CI machine
 COMPARED = ("loss", "grad_norm", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
             "sparsecorr/correction/kept_token_frac")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _launch(out: Path, loss_type: str, processes: int) -> tuple[list[dict], dict]:
@@ -44,7 +39,7 @@ def _launch(out: Path, loss_type: str, processes: int) -> tuple[list[dict], dict
         # a free port of our own: a rank left over from another run cannot join this one
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                str(processes), "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", str(_free_port()), WORKER]
+               "--dynamo_backend", "no", "--main_process_port", str(free_port()), WORKER]
     # its own session, so a timeout kills the launcher's process group, and its ranks, which
     # torch's elastic agent starts in sessions of their own (an orphaned rank holds the pipes
     # open: a whole CI run once hung on one)
