@@ -40,18 +40,28 @@ from .report import write_failure_report, write_report
 from .task import PROMPT_LEN, RESPONSE_LEN, demo_model, make_prompts
 from .train import Arm, quiet_demo, train_arm
 
-__all__ = ["CORRECTIONS", "DemoConfig", "DemoError", "arm_names", "demo_arms", "demo_samplers",
-           "rerender", "run_demo"]
+__all__ = ["CLAIM_ARMS", "CORRECTIONS", "DemoConfig", "DemoError", "arm_names", "demo_arms",
+           "demo_samplers", "rerender", "run_demo"]
 
 #: the corrections crossed with every sparse sampler
 CORRECTIONS = ("none", "sparse_rl")
 DISTILL = "sparse_rl+distill"
+#: the arms the five claims rest on (``--full`` runs them over ``DemoConfig.claim_seeds``):
+#: dense (dense improves; the reference of the next two), the scheduled + corrected arm
+#: (schedule matches dense), the uncorrected aggressive arm (uncorrected below dense), the
+#: long-response comparison (correction rescues a sampler) and DistillSparse with its
+#: uncorrected-adapter twin (DistillSparse raises the tail)
+CLAIM_ARMS = ("dense", "b8/none", "schedule/sparse_rl", "topk8/sparse_rl",
+              "topk8/sparse_rl+distill", "dense@64", "b16@64/none", "b16@64/sparse_rl")
+#: seeds the claims' arms run over with ``--full`` (the other arms: ``DemoConfig.seeds``)
+FULL_CLAIM_SEEDS = tuple(range(8))
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Sizes of a demo run: the default is one seed (``sparsecorr demo``), ``full()`` three
-    (``--full``), ``quick()`` the smoke test (3 steps of 2 prompts x 4 rollouts, one seed).
+    """Sizes of a demo run: the default is one seed (``sparsecorr demo``); ``full()`` runs the
+    arms the claims rest on (`CLAIM_ARMS`) over 8 seeds and the others over 3 (``--full``);
+    ``quick()`` is the smoke test (3 steps of 2 prompts x 4 rollouts, one seed).
 
     The samplers crossed with `CORRECTIONS` are StreamingLLM (``sink=1``) at the aggressive
     budget, at each of ``fixed_budgets`` and on the fitted schedule; DistillSparse runs at
@@ -91,6 +101,10 @@ class DemoConfig:
     bin_size: int = 16
     lr: float = 3e-3
     seeds: tuple[int, ...] = (0,)
+    #: arms (by name) that run over ``claim_seeds`` instead of ``seeds``: the claims' arms get
+    #: the most seeds, since a verdict rests on the spread over them
+    claim_arms: tuple[str, ...] = ()
+    claim_seeds: tuple[int, ...] = ()
     eval_every: int = 2
     #: probe every sparse arm's sampler every this many steps (and before and after training)
     probe_every: int = 4
@@ -107,7 +121,12 @@ class DemoConfig:
 
     @classmethod
     def full(cls) -> DemoConfig:
-        return cls(seeds=(0, 1, 2))
+        return cls(seeds=(0, 1, 2), claim_arms=CLAIM_ARMS, claim_seeds=FULL_CLAIM_SEEDS)
+
+    def seeds_of(self, arm: str) -> tuple[int, ...]:
+        """The seeds ``arm`` runs over: ``claim_seeds`` for one of ``claim_arms``, else
+        ``seeds``."""
+        return self.claim_seeds if arm in self.claim_arms and self.claim_seeds else self.seeds
 
 
 class DemoError(RuntimeError):
@@ -181,15 +200,15 @@ def _run_demo(cfg: DemoConfig, out: str | Path, *, progress: bool) -> list[dict]
     try:
         table, schedule, notes = _calibrate(cfg, out, done, progress=progress)
         arms = demo_arms(cfg, out / "schedule.json", sink=1)
+        _check_claim_arms(cfg, [a.name for a in arms])
         held_out = make_prompts(cfg.eval_prompts, cfg.prompt_len, seed=99_991)
         t_train = time.perf_counter()
         for i, arm in enumerate(arms):
             _train_seeds(cfg, arm, f"arm {i + 1}/{len(arms)} {arm.name}", held_out, done,
                          progress=progress)
+            _write_rows(out, done["rows"])  # a run stopped part way keeps its finished arms
         done["train_s"] = time.perf_counter() - t_train
         done["stage"] = "writing metrics and report"
-        atomic_write_text(out / "metrics.jsonl",
-                          "".join(json.dumps(r) + "\n" for r in done["rows"]))
         atomic_write_text(out / "run.json", json.dumps(
             {"config": done["config"], "calib_s": done["calib_s"], "train_s": done["train_s"],
              "arm_s": done["arm_s"], "notes": notes}, indent=1))
@@ -200,6 +219,19 @@ def _run_demo(cfg: DemoConfig, out: str | Path, *, progress: bool) -> list[dict]
         report = write_failure_report(out, stage=done["stage"], error=exc, done=done)
         raise DemoError(done["stage"], report, exc) from exc
     return done["rows"]
+
+
+def _write_rows(out: Path, rows: list[dict]) -> None:
+    atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _check_claim_arms(cfg: DemoConfig, names: list[str]) -> None:
+    unknown = [a for a in cfg.claim_arms if a not in names]
+    if unknown:
+        raise ValueError(f"claim_arms: expected arm names among {names}, got unknown {unknown}")
+    if cfg.claim_arms and not cfg.claim_seeds:
+        raise ValueError(f"claim_seeds: expected at least one seed for claim_arms "
+                         f"{list(cfg.claim_arms)}, got {cfg.claim_seeds!r}")
 
 
 def _calibrate(cfg: DemoConfig, out: Path, done: dict, *, progress: bool):
@@ -228,13 +260,14 @@ def _calibrate(cfg: DemoConfig, out: Path, done: dict, *, progress: bool):
 
 def _train_seeds(cfg: DemoConfig, arm: Arm, desc: str, held_out: torch.Tensor, done: dict, *,
                  progress: bool) -> None:
-    """Train ``arm`` on every seed; its rows go into ``done["rows"]``, its wall time into
-    ``done["arm_s"]``."""
+    """Train ``arm`` on each of its seeds (`DemoConfig.seeds_of`); its rows go into
+    ``done["rows"]``, its wall time into ``done["arm_s"]``."""
     done["stage"] = f"training arm {arm.name}"
-    bar = _bar(desc, len(cfg.seeds) * cfg.steps, progress)
+    seeds = cfg.seeds_of(arm.name)
+    bar = _bar(desc, len(seeds) * cfg.steps, progress)
     t0 = time.perf_counter()
     try:
-        for seed in cfg.seeds:
+        for seed in seeds:
             done["stage"] = f"training arm {arm.name} (seed {seed})"
             if bar is not None:
                 bar.set_postfix_str(f"seed {seed}")
