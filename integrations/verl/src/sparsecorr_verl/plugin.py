@@ -10,7 +10,12 @@ module never fails quietly:
 - then it registers the policy loss ``sparsecorr`` in verl's registry and wraps
   ``rollout_corr_helper.compute_rollout_correction_and_add_to_batch`` (logged at INFO). The
   wrapper only acts when ``algorithm.rollout_correction.sparsecorr`` is set; `uninstall`
-  restores verl's function.
+  restores verl's function;
+- and it registers the rollout backend ``sparsecorr`` (``rollout.name=sparsecorr``): the
+  replica in ``RolloutReplicaRegistry`` (loaded lazily) and the in-worker adapter in
+  ``_ROLLOUT_REGISTRY[("sparsecorr", "async")]``. verl's rollout modules import Ray, so without
+  Ray (which verl needs to run at all) only the loss and the correction are installed (logged
+  at INFO); a verl without those two registries gets a WARNING.
 
 Set ``SPARSECORR_VERL_STRICT=1`` to make the import raise on a version difference too, and
 ``SPARSECORR_VERL_NO_AUTOLOAD=1`` to import this module without installing (then call
@@ -26,6 +31,7 @@ function inside ``fit`` on every step, so it always sees the module attribute.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 import sys
@@ -35,13 +41,61 @@ from .check import check_verl
 from .correction import driver_spec, rollout_correction
 from .loss import LOSS_MODE, sparsecorr_policy_loss
 
-__all__ = ["install", "installed", "uninstall"]
+__all__ = ["ROLLOUT_NAME", "install", "installed", "rollout_registered", "uninstall"]
 
 logger = logging.getLogger("sparsecorr_verl")
 _HOOK = "compute_rollout_correction_and_add_to_batch"
 _MARK = "_sparsecorr_original"
 # modules that bound verl's function by name at import (the v1 trainer); patched when loaded
 _BOUND_BY_NAME = ("verl.trainer.ppo.v1.trainer_base",)
+ROLLOUT_NAME = "sparsecorr"
+_ADAPTER = "sparsecorr_verl.rollout.adapter.SparseCorrServerAdapter"
+
+
+def _load_replica():
+    """verl's replica loader for ``rollout.name=sparsecorr`` (imports the replica on first use)."""
+    from .rollout.replica import SparseCorrReplica
+
+    return SparseCorrReplica
+
+
+def _ray_available() -> bool:
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except ValueError:  # a stand-in module without a spec
+        return False
+
+
+def _rollout_registries():
+    from verl.workers.rollout import base, replica
+
+    return replica.RolloutReplicaRegistry, base._ROLLOUT_REGISTRY
+
+
+def _register_rollout() -> bool:
+    """Register ``rollout.name=sparsecorr`` in verl's two rollout registries."""
+    if not _ray_available():
+        logger.info("sparsecorr-verl: rollout backend %r not registered (Ray is not installed)", ROLLOUT_NAME)
+        return False
+    replicas, adapters = _rollout_registries()
+    if not hasattr(replicas, "register") or not isinstance(adapters, dict):
+        logger.warning("sparsecorr-verl: rollout backend %r NOT registered: this verl has no "
+                       "RolloutReplicaRegistry.register / _ROLLOUT_REGISTRY", ROLLOUT_NAME)
+        return False
+    replicas.register(ROLLOUT_NAME, _load_replica)
+    adapters[(ROLLOUT_NAME, "async")] = _ADAPTER
+    logger.info("sparsecorr-verl: registered rollout backend %r (actor_rollout_ref.rollout.name=%s)",
+                ROLLOUT_NAME, ROLLOUT_NAME)
+    return True
+
+
+def rollout_registered() -> bool:
+    """True when ``rollout.name=sparsecorr`` resolves in verl's registries."""
+    if not _ray_available():
+        return False
+    replicas, adapters = _rollout_registries()
+    return replicas._registry.get(ROLLOUT_NAME) is _load_replica and \
+        adapters.get((ROLLOUT_NAME, "async")) == _ADAPTER
 
 
 def _verl_modules():
@@ -69,7 +123,8 @@ def installed() -> bool:
 
 
 def install(*, strict: bool | None = None) -> None:
-    """Check verl, register ``loss_mode="sparsecorr"`` and wrap the rollout correction.
+    """Check verl, register ``loss_mode="sparsecorr"``, wrap the rollout correction and
+    register ``rollout.name="sparsecorr"`` (when Ray is installed).
 
     Idempotent. Raises `VerlMismatchError` on a changed hook (and, with ``strict``, on a
     different verl version); logs every step.
@@ -83,6 +138,7 @@ def install(*, strict: bool | None = None) -> None:
             raise VerlMismatchError(f"{note} (SPARSECORR_VERL_STRICT=1)")
         logger.warning("sparsecorr-verl: %s; the hooks match, loading anyway", note)
     core_algos.register_policy_loss(LOSS_MODE)(sparsecorr_policy_loss)
+    _register_rollout()
     if hasattr(getattr(rc, _HOOK), _MARK):
         return
     wrapper = _wrap(getattr(rc, _HOOK))
@@ -108,6 +164,12 @@ def uninstall() -> None:
             if mod is not None and getattr(mod, _HOOK, None) is wrapper:
                 setattr(mod, _HOOK, original)
     core_algos.POLICY_LOSS_REGISTRY.pop(LOSS_MODE, None)
+    if _ray_available():
+        replicas, adapters = _rollout_registries()
+        if getattr(replicas, "_registry", {}).get(ROLLOUT_NAME) is _load_replica:
+            replicas._registry.pop(ROLLOUT_NAME)
+        if adapters.get((ROLLOUT_NAME, "async")) == _ADAPTER:
+            adapters.pop((ROLLOUT_NAME, "async"))
     logger.info("sparsecorr-verl: restored verl's %s and removed policy loss %r", _HOOK, LOSS_MODE)
 
 

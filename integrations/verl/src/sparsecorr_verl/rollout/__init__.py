@@ -1,0 +1,22 @@
+"""``actor_rollout_ref.rollout.name=sparsecorr``: verl's rollouts from the sparse decoding engine.
+
+- `SparseCorrServer` (``server.py``): the server actor, an inference copy of the policy and
+  ``sparsecorr.decoding.generate`` behind verl's token-in / token-out ``generate``, with
+  concurrent requests batched (``batcher.py``, ``requests.py``);
+- ``SparseCorrReplica`` (``replica.py``): verl's ``RolloutReplica``, registered as
+  ``sparsecorr`` in ``RolloutReplicaRegistry``;
+- ``SparseCorrServerAdapter`` (``adapter.py``): the in-worker rollout verl resolves from
+  ``_ROLLOUT_REGISTRY[("sparsecorr", "async")]``, which syncs the actor's weights.
+
+The engine knobs come from ``rollout.engine_kwargs.sparsecorr`` (`EngineOptions`). Importing
+this package imports neither verl nor Ray; ``replica`` and ``adapter`` import both.
+"""
+
+from .options import ENGINE_KEY, EngineOptions, engine_options
+from .server import SparseCorrServer, copy_weights, load_policy_copy
+
+REPLICA = "sparsecorr_verl.rollout.replica.SparseCorrReplica"
+ADAPTER = "sparsecorr_verl.rollout.adapter.SparseCorrServerAdapter"
+
+__all__ = ["ADAPTER", "ENGINE_KEY", "REPLICA", "EngineOptions", "SparseCorrServer", "copy_weights",
+           "engine_options", "load_policy_copy"]

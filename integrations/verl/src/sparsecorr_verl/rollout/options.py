@@ -1,0 +1,153 @@
+"""The engine knobs of ``rollout.name=sparsecorr``, read from verl's rollout config.
+
+They live where verl keeps each engine's own arguments, ``actor_rollout_ref.rollout.
+engine_kwargs.sparsecorr`` (beside ``engine_kwargs.vllm`` / ``.sglang``); ``rollout.custom.
+sparsecorr`` is read too when that is where a config put them (setting both is an error).
+The defaults are those of the TRL glue's ``SparseCorrConfig``: the ``auto`` backend, CUDA graphs
+and the fused step on for a model on a CUDA device; the policy defaults to ``dense`` (the
+engine with the full KV cache), since a server needs one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENGINE_KEY", "EngineOptions", "engine_options"]
+
+ENGINE_KEY = "sparsecorr"
+_BACKENDS = ("auto", "torch", "flashinfer", "reference")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the server runs ``sparsecorr.decoding.generate``.
+
+    Attributes:
+        policy: KV policy name for ``sparsecorr.decoding.get_policy`` (``dense``,
+            ``streaming_llm``, ``snapkv``, ``rkv``, ``block_topk``).
+        policy_kwargs: the policy's arguments, e.g. ``{"sink": 4}``.
+        budget: a constant KV budget (tokens per layer and head); needs a sparse policy.
+        schedule: path of a ``BudgetSchedule`` JSON (budget by context length); exactly one of
+            ``budget`` and ``schedule`` with a sparse policy.
+        backend: ``generate``'s ``backend``.
+        cuda_graph: ``generate``'s ``cuda_graph``; None = on for a model on CUDA.
+        fused_step: ``generate``'s ``fused``; None = on whenever the CUDA-graph step is.
+        prefill_chunk: ``generate``'s ``prefill_chunk`` (prompt tokens per prefill forward).
+        max_batch_size: most requests in one engine call; None = ``rollout.max_num_seqs``.
+        batch_window_ms: how long the first waiting request waits for others to join its batch.
+    """
+
+    policy: str = "dense"
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)
+    budget: int | None = None
+    schedule: str | None = None
+    backend: str = "auto"
+    cuda_graph: bool | None = None
+    fused_step: bool | None = None
+    prefill_chunk: int | None = 512
+    max_batch_size: int | None = None
+    batch_window_ms: float = 5.0
+
+    def __post_init__(self) -> None:
+        from sparsecorr.decoding import get_policy
+
+        get_policy(self.policy, **dict(self.policy_kwargs))
+        sparse = self.policy != "dense"
+        _check_count("budget", self.budget)
+        _check_count("prefill_chunk", self.prefill_chunk)
+        _check_count("max_batch_size", self.max_batch_size)
+        if self.budget is not None and self.schedule is not None:
+            raise ValueError("budget/schedule: expected one of them, got both")
+        if sparse and self.budget is None and self.schedule is None:
+            raise ValueError(f"budget: policy {self.policy!r} needs a budget or a schedule, got neither")
+        if not sparse and (self.budget is not None or self.schedule is not None):
+            raise ValueError("policy: expected a sparse KV policy when a budget or schedule is given, "
+                             "got 'dense'")
+        if self.schedule is not None and not Path(self.schedule).is_file():
+            raise ValueError(f"schedule: expected a BudgetSchedule JSON file, got {self.schedule!r} (not found)")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend: expected one of {list(_BACKENDS)}, got {self.backend!r}")
+        for name in ("cuda_graph", "fused_step"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name}: expected None, True or False, got {getattr(self, name)!r}")
+        if self.fused_step and self.cuda_graph is False:
+            raise ValueError("fused_step: compiles the CUDA-graph decode step, got fused_step=True with "
+                             "cuda_graph=False")
+        window = self.batch_window_ms
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window <= 60_000:
+            raise ValueError(f"batch_window_ms: expected a number in [0, 60000], got {window!r}")
+
+    def build_policy(self):
+        """The ``KVPolicy`` object."""
+        from sparsecorr.decoding import get_policy
+
+        return get_policy(self.policy, **dict(self.policy_kwargs))
+
+    def build_budget(self):
+        """``generate``'s ``budget``: an int, a loaded ``BudgetSchedule`` or None (dense)."""
+        if self.schedule is not None:
+            from sparsecorr.schedules import BudgetSchedule
+
+            return BudgetSchedule.load(self.schedule)
+        return self.budget
+
+    def cuda_graph_for(self, device_type: str) -> bool:
+        """``cuda_graph`` resolved for a model on ``device_type``."""
+        return device_type == "cuda" if self.cuda_graph is None else self.cuda_graph
+
+
+def _check_count(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name}: expected a positive int or None, got {value!r}")
+
+
+def _section(container: object, where: str) -> dict[str, Any] | None:
+    if container is None:
+        return None
+    get = getattr(container, "get", None)
+    value = get(ENGINE_KEY) if get is not None else None
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) and not hasattr(value, "items"):
+        raise ValueError(f"{where}.{ENGINE_KEY}: expected a mapping of engine options, got "
+                         f"{type(value).__name__}")
+    return {str(k): _plain(v) for k, v in value.items()}
+
+
+def _plain(value: object) -> object:
+    """OmegaConf containers as dicts and lists (the options are plain values)."""
+    if hasattr(value, "items") and not isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if not isinstance(value, (str, bytes)) and hasattr(value, "__iter__") and not isinstance(value, Mapping):
+        return [_plain(v) for v in value]
+    return value
+
+
+def engine_options(rollout_config: object) -> EngineOptions:
+    """The `EngineOptions` in verl's rollout config (a ``RolloutConfig`` or its DictConfig).
+
+    Raises:
+        ValueError: on an unknown key (naming it and the known ones), a bad value, or options
+            given both under ``engine_kwargs.sparsecorr`` and ``custom.sparsecorr``.
+    """
+    get = getattr(rollout_config, "get", None)
+    read = (lambda k: get(k)) if get is not None else (lambda k: getattr(rollout_config, k, None))
+    from_kwargs = _section(read("engine_kwargs"), "rollout.engine_kwargs")
+    from_custom = _section(read("custom"), "rollout.custom")
+    if from_kwargs is not None and from_custom is not None:
+        raise ValueError("rollout.engine_kwargs.sparsecorr / rollout.custom.sparsecorr: expected the engine "
+                         "options in one place, got both")
+    values = from_kwargs if from_kwargs is not None else (from_custom or {})
+    known = set(EngineOptions.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"rollout.engine_kwargs.{ENGINE_KEY}: unknown option(s) {unknown}; expected some "
+                         f"of {sorted(known)}")
+    if values.get("schedule") is not None:
+        values["schedule"] = str(values["schedule"])
+    return EngineOptions(**values)
