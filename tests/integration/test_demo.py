@@ -299,6 +299,89 @@ def test_distill_claim_follows_the_tail_with_and_without_the_adapter():
     assert flat[0] is False and "not resolved" in flat[1] and "tau = 0.5 is not reached" in flat[1]
 
 
+def _study(seeds, *, rescued: bool):
+    """Synthetic study: dense, an aggressive sampler that fails (b8), a sampler b16 whose
+    uncorrected arm ends below dense and whose corrected arm reaches it (``rescued``) or not,
+    the schedule, and DistillSparse at b16 raising the tail and the reward (or lowering them)."""
+    rows = []
+    for seed in seeds:
+        j = 0.01 * seed
+        rows += _rows("dense", seed, 0.3, 0.6 + j)
+        rows += _rows("b8/none", seed, 0.3, 0.1 + j, reward=0.05, probe=(0.2, 0.4))
+        rows += _rows("b8/sparse_rl", seed, 0.3, 0.1 + j, kept=0.5, reward=0.05, probe=(0.2, 0.4))
+        rows += _rows("schedule/sparse_rl", seed, 0.3, 0.6 + j, kv=400, kept=0.9, probe=(0.8, 0.05))
+        rows += _rows("b16/none", seed, 0.3, 0.4 + j, probe=(0.6, 0.1))
+        rows += _rows("b16/sparse_rl", seed, 0.3, (0.6 if rescued else 0.38) + 2 * j, kept=0.9,
+                      probe=(0.6, 0.1))
+        rs = _rows("b16/sparse_rl+distill", seed, 0.3, (0.7 if rescued else 0.3) + j,
+                   probe=(0.6 if rescued else 0.1, 0.1))
+        for r in rs:
+            r["probe_accept_q05_noadapter"] = 0.2 + j
+        rows += rs
+    return rows
+
+
+def _write_study_report(out, rows):
+    import torch
+
+    table = SimpleNamespace(budgets=[8, 16], bin_size=8, q=0.05,
+                            values=torch.tensor([[0.5, 0.2, float("nan")], [0.99, 0.95, 0.9]]))
+    schedule = SimpleNamespace(budgets=[16, 16, None], bin_size=8)
+    report.write_report(out, rows=rows, table=table, schedule=schedule,
+                        config={"tau": 0.5, "aggressive_budget": 8, "prompt_len": 16},
+                        calib_s=1.0, train_s=2.0)
+    return (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("rescued", [True, False])
+def test_a_one_seed_report_never_says_resolved(tmp_path, rescued):
+    """One seed has no interval: whatever the numbers (here a sampler the correction lifts by
+    far more than the margin, and DistillSparse raising tail and reward, or neither), no
+    sentence or table of the report calls anything resolved, and it says one seed decides
+    nothing."""
+    text = _write_study_report(tmp_path, _study([0], rescued=rescued))
+    assert "resolved" not in text.lower()
+    assert "one seed decides nothing" in text
+    assert "| vs one-seed margin |" in text
+    assert "## Reproducibility" in text and "not deterministic across machines" in text
+    assert "## The deciding comparison, seed by seed" in text
+    if rescued:
+        assert "| 0 | 0.600 | 0.400 | 0.600 | +0.200 |" in text
+
+
+def test_a_multi_seed_report_prints_the_deciding_comparison_per_seed(tmp_path):
+    seeds = list(range(8))
+    rows = _study(seeds, rescued=True)
+    # an arm outside the claims runs over fewer seeds: the report says which ran over what
+    rows = [r for r in rows if r["arm"] != "b8/sparse_rl" or r["seed"] < 3]
+    text = _write_study_report(tmp_path, rows)
+    by = {s["arm"]: s for s in report.summarize(rows)}
+    e = report.deciding_effect(by)
+    assert (e["sampler"], e["regime"], e["seeds"]) == ("b16", "rescued", seeds)
+    section = text[text.index("## The deciding comparison"):text.index("## The claims")]
+    assert "| seed | dense | b16/none | b16/sparse_rl | difference |" in section
+    for seed in seeds:
+        j = 0.01 * seed
+        assert f"| {seed} | {0.6 + j:.3f} | {0.4 + j:.3f} | {0.6 + 2 * j:.3f} | {0.2 + j:+.3f} |" in section
+    assert f"over 8 seeds, 95% interval [{e['lo']:+.3f}, {e['hi']:+.3f}]: resolved" in section
+    assert "b8/sparse_rl over 3 seeds (0, 1, 2)" in text and "over 8 seeds (0, 1, 2, 3" in text
+    # b8's pair is compared on the 3 seeds both arms ran
+    assert next(x for x in report.correction_effects(by) if x["sampler"] == "b8")["seeds"] == [0, 1, 2]
+
+
+def test_full_runs_the_claims_arms_over_at_least_8_seeds():
+    full = demo_run.DemoConfig.full()
+    names = demo_run.arm_names(full)
+    assert set(full.claim_arms) <= set(names)
+    assert {"dense@64", "b16@64/none", "b16@64/sparse_rl"} <= set(full.claim_arms)
+    for arm in names:
+        n = len(full.seeds_of(arm))
+        assert n >= 8 if arm in full.claim_arms else n == 3, arm
+    bad = demo_run.DemoConfig(claim_arms=("no_such_arm",), claim_seeds=(0, 1))
+    with pytest.raises(ValueError, match="claim_arms"):
+        demo_run._check_claim_arms(bad, demo_run.arm_names(bad))
+
+
 def test_each_plot_png_is_written(tmp_path):
     import torch
 

@@ -7,7 +7,9 @@ Every number and every verdict in report.md is computed from the rows written to
 nothing in the verdicts is fixed in advance. The spread over seeds is their sample standard
 deviation (undefined for one seed, where a fixed margin stands in and the report says so). A
 difference between two arms is *resolved* by the seeds when its paired 95 % t-interval over the
-seeds, \(\bar d \pm t_{0.975, n-1}\, s_d / \sqrt{n}\), excludes 0.
+seeds, \(\bar d \pm t_{0.975, n-1}\, s_d / \sqrt{n}\), excludes 0; a one-seed report has no
+interval and never calls anything resolved. `deciding_table` prints, seed by seed, the
+comparison the correction claim rests on.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from .verdicts import (
 )
 
 __all__ = ["CLEAR_GAIN", "FAIL_FRACTION", "KV_FRACTION", "METRICS", "ONE_SEED_MARGIN", "PNGS",
-           "claims", "correction_effects", "correction_table", "distill_effect", "findings",
-           "interval", "pm", "spread", "summarize", "summarize_seed", "summary_table",
-           "tail_table", "write_failure_report", "write_report"]
+           "REPRODUCIBILITY", "claims", "correction_effects", "correction_table",
+           "deciding_effect", "deciding_table", "distill_effect", "findings", "interval", "pm",
+           "seeds_text", "spread", "summarize", "summarize_seed", "summary_table", "tail_table",
+           "write_failure_report", "write_report"]
 
 _NAN = float("nan")
 #: probe statistics (row key -> summary name), averaged over the probes after training steps
@@ -177,15 +180,61 @@ def summary_table(summ: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def deciding_effect(by: dict[str, dict]) -> dict | None:
+    """The comparison the correction claim rests on (one of `correction_effects`): a rescued
+    sampler; else, among the pairs over the most seeds, one whose uncorrected arm ends below
+    dense and corrected not, then the largest difference. None without a pair."""
+    effects = correction_effects(by)
+    if not effects:
+        return None
+    return max(effects, key=lambda e: (e["regime"] == "rescued", len(e["seeds"]),
+                                       e["regime"].startswith("rescued"),
+                                       e["diff"] if e["diff"] == e["diff"] else -math.inf))
+
+
+def deciding_table(by: dict[str, dict], e: dict) -> str:
+    """Markdown table, one row per seed of the comparison ``e`` (a `correction_effects` item):
+    the final held-out greedy reward of its dense arm and of both arms, and their difference
+    (corrected minus uncorrected)."""
+    arms = (e["dense_arm"], e["unc_arm"], e["cor_arm"])
+    lines = [f"| seed | {' | '.join(arms)} | difference |", "|---|---|---|---|---|"]
+    for seed in e["seeds"]:
+        vals = [by[a]["per_seed"].get(seed, {}).get("dense_after", _NAN) for a in arms]
+        cells = " | ".join("-" if v != v else f"{v:.3f}" for v in vals)
+        lines.append(f"| {seed} | {cells} | {vals[2] - vals[1]:+.3f} |")
+    return "\n".join(lines)
+
+
+def seeds_text(summ: list[dict]) -> str:
+    """Which arms ran over which seeds (one sentence)."""
+    groups: dict[tuple, list[str]] = {}
+    for s in summ:
+        groups.setdefault(tuple(s["seeds"]), []).append(s["arm"])
+    if len(groups) == 1:
+        (seeds,) = groups
+        return f"Every arm ran over {_count(seeds)}."
+    parts = [f"{', '.join(arms)} over {_count(seeds)}"
+             for seeds, arms in sorted(groups.items(), key=lambda g: -len(g[0]))]
+    return ("The arms the claims rest on ran over the most seeds, the others over fewer: "
+            + "; ".join(parts) + ".")
+
+
+def _count(seeds: tuple) -> str:
+    n = len(seeds)
+    return f"{n} seed{'s' if n != 1 else ''} ({', '.join(str(x) for x in seeds)})"
+
+
 def correction_table(by: dict[str, dict]) -> str:
     """Markdown table: per sampler, the final reward uncorrected and with ``sparse_rl()``, the
     paired difference with its interval, and the probe's mismatch statistics of the
     uncorrected arm (what ``sparse_rl()`` would have done to the rollouts it trained on)."""
+    effects = correction_effects(by)
+    one = all(e["lo"] != e["lo"] for e in effects)
     lines = ["| sampler | uncorrected | sparse_rl() | difference (paired) | 95% interval | "
-             "resolved | vs dense (none / sparse_rl) | sampled reward at step 1 | acceptance "
+             + ("vs one-seed margin" if one else "resolved") + " | vs dense (none / sparse_rl) | sampled reward at step 1 | acceptance "
              "5% tail | log-ratio 5% tail | band-rejected | vetoed seqs | ESS |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for e in correction_effects(by):
+    for e in effects:
         u = by[e["unc_arm"]]
         lo_hi = "-" if e["lo"] != e["lo"] else f"[{e['lo']:+.3f}, {e['hi']:+.3f}]"
         lines.append(
@@ -209,6 +258,34 @@ def _header(config, table, schedule, calib_s, train_s, notes) -> list[str]:
         tail_table(table), ""]
 
 
+#: what a run's numbers can and cannot be trusted for (the report's last section)
+REPRODUCIBILITY = (
+    "- A run of one seed is deterministic on one machine: the same code, torch build and "
+    "thread count give the same rows again.",
+    "- It is not deterministic across machines: CPU kernels differ in the last bits of a "
+    "float, the training trajectories of one seed part after a few steps, and its final "
+    "reward can differ by several hundredths from one machine to another.",
+    "- So the unit of evidence is the spread over seeds, not one seed's value: a difference "
+    "counts only when its 95% interval over all its seeds excludes 0, and a one-seed run "
+    "decides nothing (`--full` runs the arms the claims rest on over 8 seeds).")
+
+
+def _deciding_section(by: dict, one: bool) -> list[str]:
+    e = deciding_effect(by)
+    if e is None:
+        return []
+    n = len(e["seeds"])
+    verdict = (f"one seed: {e['diff']:+.3f}, no interval, so nothing is decided" if one else
+               f"{pm(e['diff'], e['diff_sd'], signed=True)} over {n} seeds, 95% interval "
+               f"[{e['lo']:+.3f}, {e['hi']:+.3f}]: "
+               + ("resolved" if e["resolved"] else "not resolved"))
+    return ["## The deciding comparison, seed by seed", "",
+            f"The correction claim rests on sampler {e['sampler']} ({e['regime']}): the final "
+            f"held-out greedy reward per seed of {e['dense_arm']}, {e['unc_arm']} and "
+            f"{e['cor_arm']}, and the paired difference ({verdict}).", "",
+            deciding_table(by, e)]
+
+
 def write_report(out: Path, *, rows, table, schedule, config, calib_s: float,
                  train_s: float = _NAN, notes: list[str] | tuple[str, ...] = ()) -> str:
     """Write plots and report.md into ``out``; return the summary table (markdown).
@@ -227,6 +304,7 @@ def write_report(out: Path, *, rows, table, schedule, config, calib_s: float,
         lines.append("No calibrated budget reached tau in any bin, so the fitted schedule is "
                      "dense everywhere and the schedule arms sample densely.")
     verdict_word = {True: "holds", False: "does not hold", None: "not checked"}
+    one = all(len(s["seeds"]) < 2 for s in summ)
     text = "\n".join([
         *_header(config, table, schedule, calib_s, train_s, notes),
         "## Summary", "",
@@ -234,19 +312,25 @@ def write_report(out: Path, *, rows, table, schedule, config, calib_s: float,
         "the same held-out prompts for every arm and seed; values are mean ± spread (sample "
         "standard deviation) over seeds. The probe columns sample the arm's own sampler on the "
         "held-out prompts during training (the same way for corrected and uncorrected arms).", "",
+        seeds_text(summ), "",
         tbl, "",
         "tokens/s is the wall-clock throughput of the rollout step: it moves with the load of "
         "the machine, so compare arms only from a run on otherwise idle cores.", "",
         "## What the correction buys", "",
         "Per sampler, the final held-out greedy reward without and with sparse_rl() (same "
         "seeds, prompts and evaluation), their paired difference over seeds (corrected minus "
-        "uncorrected) and whether the seeds resolve it; the mismatch columns are the probe of "
-        "the uncorrected arm's sampler (what sparse_rl() would have done to its rollouts).", "",
+        "uncorrected) and "
+        + ("how it compares with a fixed margin (one seed: no interval)" if one else
+           "whether the seeds resolve it")
+        + "; the mismatch columns are the probe of the uncorrected arm's sampler (what "
+        "sparse_rl() would have done to its rollouts).", "",
         correction_table(by), "",
+        *_deciding_section(by, one), "",
         "## The claims", "",
         *[f"- **{name}: {verdict_word[ok]}.** {sentence}" for name, ok, sentence in checked], "",
         "## What each arm shows", "", *[f"- {line}" for line in lines], "",
-        "## Plots", "", *([plot_note] if plot_note else [f"![{f}]({f})" for f in files]), ""])
+        "## Plots", "", *([plot_note] if plot_note else [f"![{f}]({f})" for f in files]), "",
+        "## Reproducibility", "", *REPRODUCIBILITY, ""])
     atomic_write_text(out / "report.md", text)
     return tbl
 

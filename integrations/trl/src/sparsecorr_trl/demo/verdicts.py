@@ -8,8 +8,8 @@ r"""The demo's verdicts, computed from `report.summarize`'s per-arm summaries on
   learner and budget, paired over seeds) and whether the final reward follows.
 - `claims`: the demo's five claims, each holding or not as the numbers say.
 
-With one seed there is no spread: a fixed margin (`ONE_SEED_MARGIN`) stands in and the
-sentences say so.
+With one seed there is no spread and no interval: a fixed margin (`ONE_SEED_MARGIN`) stands in,
+the sentences say so, and none calls a difference resolved (one seed decides nothing).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ FAIL_FRACTION = 0.5
 #: below dense (harmless); uncorrected below, corrected not (rescued, if the seeds resolve their
 #: difference); both below (the sampler fails outright when its sampled reward at step 1 is
 #: below `FAIL_FRACTION` of dense's)
-REGIMES = ("harmless", "rescued", "rescued, not resolved", "fails outright", "both below dense")
+REGIMES = ("harmless", "rescued", "rescued, not resolved", "rescued, within the one-seed margin",
+           "fails outright", "both below dense")
 #: t_{0.975, df} for df = 1..30 (larger df: 1.96)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
@@ -105,10 +106,14 @@ def dense_of(sampler: str) -> str:
 
 
 def _vs_dense(by: dict, arm: str) -> str:
-    """'below' / 'above' its dense arm by more than the two arms' spread, else 'within'."""
+    """'below' / 'above' its dense arm by more than the two arms' spread, else 'within', on
+    the seeds both ran (the dense arm may have run over more)."""
     dense = dense_of(by[arm]["sampler"])
-    tol, _ = spread(by, dense, arm)
-    diff = by[arm]["dense_after"] - by[dense]["dense_after"]
+    seeds = [s for s in by[arm]["per_seed"] if s in by[dense]["per_seed"]]
+    a, d = ([by[x]["per_seed"][s]["dense_after"] for s in seeds] for x in (arm, dense))
+    sds = [stdev(v) for v in (a, d) if len(v) > 1]
+    tol = max(sds) if sds else ONE_SEED_MARGIN
+    diff = mean(a) - mean(d)
     return "below" if diff < -tol else "above" if diff > tol else "within"
 
 
@@ -116,11 +121,12 @@ def _fails(by: dict, unc: dict) -> bool:
     return unc["reward_first"] < FAIL_FRACTION * by[dense_of(unc["sampler"])]["reward_first"]
 
 
-def _regime(by: dict, unc: dict, cor_vs: str, unc_vs: str, resolved: int) -> str:
+def _regime(by: dict, unc: dict, cor_vs: str, unc_vs: str, resolved: int, one_seed: bool) -> str:
     if unc_vs != "below":
         return "harmless"
     if cor_vs != "below":
-        return "rescued" if resolved > 0 else "rescued, not resolved"
+        return ("rescued" if resolved > 0 else "rescued, within the one-seed margin" if one_seed
+                else "rescued, not resolved")
     return "fails outright" if _fails(by, unc) else "both below dense"
 
 
@@ -141,12 +147,16 @@ def _regime_text(regime: str, by: dict, unc: dict, *, one_seed: bool = False) ->
                     f"mismatch ({mm}) did not bias training enough to show",
         "rescued": f"uncorrected training ends below {dense_of(unc['sampler'])}, corrected "
                    f"training does not, and "
-                   + ("the difference exceeds the one-seed margin (not resolved: one seed)"
+                   + ("the difference exceeds the one-seed margin (one seed decides nothing)"
                       if one_seed else "the seeds resolve the difference")
                    + f": the regime Sparse-RL describes ({mm})",
         "rescued, not resolved": f"uncorrected training ends below {dense_of(unc['sampler'])} "
                                  f"and corrected training does not, but the seeds do not "
                                  f"resolve their difference ({mm})",
+        "rescued, within the one-seed margin": f"uncorrected training ends below "
+                                               f"{dense_of(unc['sampler'])} and corrected "
+                                               f"training does not, but their difference is "
+                                               f"within the one-seed margin ({mm})",
         "both below dense": f"both end below {dense_of(unc['sampler'])}: the correction does "
                             f"not bring this sampler to that level ({mm})",
     }[regime]
@@ -167,14 +177,15 @@ def correction_effects(by: dict[str, dict]) -> list[dict]:
         m, sd, lo, hi = interval(_paired(by, ca, ua, "dense_after", lambda a, b: a - b))
         res, one = _resolved(m, lo, hi), lo != lo
         unc_vs, cor_vs = _vs_dense(by, ua), _vs_dense(by, ca)
-        regime = _regime(by, unc, cor_vs, unc_vs, res)
+        regime = _regime(by, unc, cor_vs, unc_vs, res, one)
         n = len(_paired(by, ca, ua, "dense_after", lambda a, b: a))
         diff_text = (f"{pm(m, sd, signed=True)} over {n} seeds, 95% interval "
                      f"[{lo:+.3f}, {hi:+.3f}], " + ("resolved" if res else "not resolved")
                      + " by the seeds" if not one else
                      f"{m:+.3f} (one seed: no interval; a fixed margin of {ONE_SEED_MARGIN} "
                      f"stands in, and it is {_resolved_text(res, True)})")
-        out.append({"sampler": sampler, "unc_arm": ua, "cor_arm": ca,
+        out.append({"sampler": sampler, "unc_arm": ua, "cor_arm": ca, "dense_arm": dense_of(sampler),
+                    "seeds": [x for x in cor["per_seed"] if x in unc["per_seed"]],
                     "unc": unc["dense_after"], "unc_sd": unc["dense_after_sd"],
                     "cor": cor["dense_after"], "cor_sd": cor["dense_after_sd"],
                     "diff": m, "diff_sd": sd, "lo": lo, "hi": hi, "resolved": res,
@@ -203,7 +214,7 @@ def distill_effect(by: dict[str, dict], tau: float | None = None) -> dict | None
             + (f" (95% interval [{lo:+.3f}, {hi:+.3f}])" if lo == lo else "")
             + (": resolved by the seeds" if res and lo == lo else
                ": not resolved by the seeds" if lo == lo else
-               f" ({_resolved_text(res, True)})"))
+               f" ({_resolved_text(res, True)}; one seed decides nothing)"))
     if tau is not None:
         text += f"; tau = {tau} is " + ("reached" if on >= tau else "not reached")
     follows = None
@@ -214,14 +225,21 @@ def distill_effect(by: dict[str, dict], tau: float | None = None) -> dict | None
         text += (f". Final greedy reward {pm(dis['dense_after'], dis['dense_after_sd'])} with "
                  f"DistillSparse vs {pm(base['dense_after'], base['dense_after_sd'])} without "
                  f"({base['arm']}), difference {pm(rm, rsd, signed=True)}: reward "
-                 + ("follows (higher, resolved)" if follows > 0 else
-                    "does not follow (lower, resolved)" if follows < 0 else
-                    "does not follow measurably ("
-                    + ("not resolved" if rlo == rlo else "within the one-seed margin")
-                    + ")") + ".")
+                 + _follows_text(follows, one=rlo != rlo) + ".")
     return {"arm": dis["arm"], "sampler": dis["sampler"], "on": on, "off": off, "diff": m,
             "diff_sd": sd, "lo": lo, "hi": hi, "resolved": res, "reward_follows": follows,
             "text": text}
+
+
+def _follows_text(follows: int, *, one: bool) -> str:
+    """Whether DistillSparse's final reward follows its tail: by the interval over seeds, or,
+    with one seed, by the fixed margin (then nothing is called resolved)."""
+    if one:
+        return {1: "is higher by more than the one-seed margin",
+                0: "is within the one-seed margin",
+                -1: "is lower by more than the one-seed margin"}[follows] + " (one seed decides nothing)"
+    return {1: "follows (higher, resolved)", 0: "does not follow measurably (not resolved)",
+            -1: "does not follow (lower, resolved)"}[follows]
 
 
 def _dense_improves(d: dict) -> tuple[str, bool, str]:
@@ -316,7 +334,11 @@ def _why_not(by: dict, effects: list[dict], period: int) -> str:
     if fails and harmless and len(fails) + len(harmless) == len(effects):
         parts.append("so every sampler here either loses the answer or carries a mismatch that "
                      "does no measurable harm, and none sits between the two")
-    return "; ".join(parts) if parts else "the seeds do not resolve the differences"
+    if parts:
+        return "; ".join(parts)
+    one = all(e["lo"] != e["lo"] for e in effects)
+    return ("with one seed, no such difference is beyond the fixed margin" if one else
+            "the seeds do not resolve the differences")
 
 
 def _correction_rescues(by: dict, period: int) -> tuple[str, bool | None, str]:
@@ -335,13 +357,15 @@ def _correction_rescues(by: dict, period: int) -> tuple[str, bool | None, str]:
                 f"With {', '.join(rescued)}, uncorrected training ends measurably below its "
                 f"dense arm, sparse_rl() training does not, and "
                 + (f"the difference exceeds a fixed margin of {ONE_SEED_MARGIN} (one seed: no "
-                   f"spread and no interval, so nothing is resolved; --full checks it over "
-                   f"three seeds)" if one else "the seeds resolve the difference")
+                   f"spread and no interval, so one seed decides nothing; --full checks it over "
+                   f"8 seeds)" if one else "the seeds resolve the difference")
                 + f". Per sampler: {per}.")
     return ("correction rescues a sampler", False,
-            f"No sampler shows the regime Sparse-RL describes (uncorrected training measurably "
-            f"below dense, corrected not, the difference resolved by the seeds). Per sampler: "
-            f"{per}. What prevents it here: {_why_not(by, effects, period)}.")
+            "No sampler shows the regime Sparse-RL describes (uncorrected training measurably "
+            "below dense, corrected not, and the difference "
+            + (f"beyond a fixed margin of {ONE_SEED_MARGIN}, one seed standing in for the "
+               f"interval" if one else "resolved by the seeds")
+            + f"). Per sampler: {per}. What prevents it here: {_why_not(by, effects, period)}.")
 
 
 def _distill_raises(by: dict, tau: float) -> tuple[str, bool | None, str]:
