@@ -1,0 +1,170 @@
+"""``rollout.name=sparsecorr`` through verl's own machinery on a local Ray (CPU, started once for
+the module): the plugin registered by verl's entry-point loader, the replica launched as verl's
+hybrid mode does, requests served through verl's load balancer and ``LLMServerClient`` (what the
+agent loop calls), and the hybrid adapter's weight sync and memory calls."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.verl.rollout_helpers import (
+    PROMPTS,
+    direct,
+    model_config,
+    need_verl_and_ray,
+    rollout_config,
+    save_tiny,
+)
+from tests.integration.verl.test_verl_loading import _entry_point_dist, _run_verl_plugin_loader
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    need_verl_and_ray()
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="sparsecorr-test",
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "VERL_USE_EXTERNAL_PLUGINS": "sparsecorr"}})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def replica(ray_cluster, ckpt):
+    """One replica launched the way verl's hybrid mode does (``init_hybrid`` over the trainer's
+    worker group; here one CPU actor stands in for the FSDP worker)."""
+    from sparsecorr_verl.plugin import install
+
+    install()
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    @ray_cluster.remote(num_cpus=0)
+    class TrainerWorker:
+        pass
+
+    group = types.SimpleNamespace(workers=[TrainerWorker.remote()])
+
+    cls = get_rollout_replica_class("sparsecorr")
+    rep = cls(replica_rank=0, config=rollout_config(engine={**_engine(), "batch_window_ms": 3000}),
+              model_config=model_config(ckpt), gpus_per_node=1)
+    asyncio.run(rep.init_hybrid(group))
+    return rep
+
+
+def _engine():
+    from tests.integration.verl.rollout_helpers import ENGINE
+
+    return dict(ENGINE)
+
+
+def _reference(ckpt, **kw):
+    from sparsecorr_verl.rollout import load_policy_copy
+
+    return direct(load_policy_copy(str(ckpt), device=torch.device("cpu")), **kw)
+
+
+def test_plugin_registers_the_backend_through_verls_loader(verl, plugin, monkeypatch, tmp_path):
+    need_verl_and_ray()
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY, get_rollout_class
+    from verl.workers.rollout.replica import RolloutReplicaRegistry, get_rollout_replica_class
+
+    plugin.uninstall()
+    assert "sparsecorr" not in RolloutReplicaRegistry._registry
+    assert ("sparsecorr", "async") not in _ROLLOUT_REGISTRY
+    _entry_point_dist(tmp_path)
+    _run_verl_plugin_loader(monkeypatch, tmp_path)
+    from sparsecorr_verl.rollout.adapter import SparseCorrServerAdapter
+    from sparsecorr_verl.rollout.replica import SparseCorrReplica
+
+    assert get_rollout_replica_class("sparsecorr") is SparseCorrReplica
+    assert get_rollout_class("sparsecorr", "async") is SparseCorrServerAdapter
+
+
+def test_replica_refuses_tensor_parallel_and_pd(verl, ckpt):
+    need_verl_and_ray()
+    from sparsecorr_verl.rollout.replica import SparseCorrReplica
+
+    with pytest.raises(ValueError, match=r"rollout.tensor_model_parallel_size: .* expected 1, got 2"):
+        SparseCorrReplica(0, rollout_config(tensor_model_parallel_size=2), model_config(ckpt))
+
+
+def test_eight_requests_through_verls_client_equal_one_direct_generate(replica, ckpt):
+    """verl's ``LLMServerClient`` over its global load balancer (the agent loop's path), with
+    ``full_determinism`` so request ids reach the server: 8 concurrent seeded requests are one
+    engine call equal to one direct ``generate``."""
+    from omegaconf import OmegaConf
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    lb = get_router_handle(servers={replica.server_address: replica.server_handle}, full_determinism=True)
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "sparsecorr", "full_determinism": True}}})
+    client = LLMServerClient(cfg, lb)
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True,
+              "seed": 11, "max_tokens": 6}
+
+    async def run():
+        return await asyncio.gather(*[client.generate(f"req-{i}", prompt_ids=list(PROMPTS[i // 4]),
+                                                      sampling_params=dict(params)) for i in range(8)])
+
+    before = replica_state(replica)["batches_run"]
+    outs = asyncio.run(run())
+    assert replica_state(replica)["batches_run"] == before + 1
+    ref = _reference(ckpt, prompts=[PROMPTS[i // 4] for i in range(8)], max_new_tokens=6, temperature=1.0, seed=11)
+    for out, (tokens, logp) in zip(outs, ref):
+        assert out.stop_reason == "completed" and out.token_ids == tokens
+        assert out.log_probs == pytest.approx(logp, abs=0)
+    assert len({tuple(o.token_ids) for o in outs[:4]}) > 1
+
+
+def replica_state(replica):
+    import ray
+
+    return ray.get(replica.server_handle.state.remote())
+
+
+def test_hybrid_adapter_syncs_weights_and_memory(replica, ckpt, monkeypatch):
+    """The adapter verl builds in a trainer worker: ``release`` (sleep), ``resume(weights)``,
+    ``update_weights`` with the actor's perturbed tensors, ``resume(kv_cache)``; the next
+    rollout equals a direct ``generate`` with those weights."""
+    from sparsecorr_verl.rollout import load_policy_copy
+    from verl.workers.rollout.base import get_rollout_class
+
+    monkeypatch.setenv("RANK", "0")
+    adapter = get_rollout_class("sparsecorr", "async")(config=rollout_config(), model_config=model_config(ckpt),
+                                                       device_mesh=None)
+    model = load_policy_copy(str(ckpt), device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    server = replica.server_handle
+
+    async def run():
+        await adapter.release()
+        assert (await server.state.remote())["weights_on_host"]
+        await adapter.resume(tags=["weights"])
+        await adapter.update_weights(iter(model.state_dict().items()), global_steps=3)
+        await adapter.resume(tags=["kv_cache"])
+        return await server.generate.remote(list(PROMPTS[1]), {"temperature": 0.0, "max_tokens": 6,
+                                                               "logprobs": True}, "after-sync")
+
+    out = asyncio.run(run())
+    tokens, logp = direct(model, [PROMPTS[1]], max_new_tokens=6)[0]
+    assert out.token_ids == tokens and out.log_probs == pytest.approx(logp, abs=0)
+    assert out.extra_fields["global_steps"] == 3
+    assert os.environ["RANK"] == "0"
