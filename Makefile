@@ -40,10 +40,15 @@ EDGE_LOSS := tests/unit/losses tests/unit/correction tests/unit/mismatch tests/p
 EDGE_DECODING := tests/unit/decoding tests/property/decoding
 EDGE_NEWEST := $(EDGE_DECODING) tests/integration/trl/test_sparse_rollouts.py \
   tests/integration/test_demo.py
-# one edge job: $(call edge,VENV,TORCH,TRANSFORMERS SPEC,WHAT IT IS); a failure names the
-# package versions that broke us
+# verl 0.9.1's runtime pieces the rollout backend's tests (tests/integration/verl/test_verl_rollout_*)
+# load beside the --no-deps verl, in the verl stack's job only: Ray (verl requires ray>=2.41), and
+# cachetools / FastAPI / uvicorn, which verl's rollout modules import (a vLLM or SGLang install
+# brings them); without them those tests skip
+VERL_RUNTIME := ray==2.60.0 cachetools==8.0.2 fastapi==0.165.0 uvicorn==0.54.0
+# one edge job: $(call edge,VENV,TORCH,TRANSFORMERS SPEC,WHAT IT IS[,MORE SPECS]); a failure names
+# the package versions that broke us
 define edge
-	@scripts/lock.sh edge $(1) $(2) "transformers$(3)"
+	@scripts/lock.sh edge $(1) $(2) "transformers$(3)" $(5)
 	@{ $(1)/bin/python -m pytest -q -m "not gpu and not slow" $(EDGE_LOSS) $(EDGE_DECODING) \
 	     --ignore=$(COMPILE_TESTS) $(PYTEST_ARGS) \
 	   && $(1)/bin/python -m pytest -q -m "not gpu" $(COMPILE_TESTS) $(PYTEST_ARGS); } || { \
@@ -84,7 +89,7 @@ test-newest: $(STAMP)
 
 # the lowest torch and the lowest transformers: verl 0.9.1's stack
 test-lowest: $(STAMP)
-	$(call edge,.venv-lowest,$(TORCH_LOWEST),==$(TRANSFORMERS_LOWEST),the lowest of torch>=2.11 and transformers$(TRANSFORMERS_RANGE): verl 0.9.1's pins)
+	$(call edge,.venv-lowest,$(TORCH_LOWEST),==$(TRANSFORMERS_LOWEST),the lowest of torch>=2.11 and transformers$(TRANSFORMERS_RANGE): verl 0.9.1's pins,$(VERL_RUNTIME))
 
 # the newest torch the stacks pin, with SGLang 0.5.23's transformers
 test-torch-newest: $(STAMP)

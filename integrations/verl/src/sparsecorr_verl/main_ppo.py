@@ -17,6 +17,18 @@ Turn sparsecorr on with (``+`` because the keys are new to verl's schema)::
 
 Presets: sparse_rl, tis, icepop, mis, sparrow, sparse_tail, geo_rs, sequence_is, veto,
 divergence, opsm, trl, openrlhf, none; or a ``chain`` list in a YAML file (docs: "verl").
+
+Sparse rollouts from sparsecorr's decoding engine (``pip install 'sparsecorr-verl[rollout]'``)::
+
+    actor_rollout_ref.rollout.name=sparsecorr
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.policy=rkv       # dense streaming_llm snapkv block_topk
+    +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.budget=2048      # or .schedule=<BudgetSchedule JSON>
+    +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.backend=auto     # torch flashinfer reference
+    +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.max_batch_size=256
+    +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.batch_window_ms=5
+
+A complete GRPO launcher: integrations/verl/examples/grpo_sparse_rollout.sh.
 verl's own options: ``python -m verl.trainer.main_ppo --help`` (needs Ray and Hydra).
 """
 
