@@ -76,6 +76,9 @@ TRL: dict[str, str] = {
     "min_p": "TRL's generation", "repetition_penalty": "TRL's generation",
     "generation_kwargs": "TRL's generation", "cache_implementation": "TRL's generation",
     "ds3_gather_for_generation": "TRL's generation under DeepSpeed ZeRO-3",
+    "fsdp": "FSDP v1 / v2 sharding; the sparse sampler gathers the shards once per rollout",
+    "deepspeed": "DeepSpeed; under ZeRO-3 the sparse sampler gathers the parameters once per "
+                 "rollout (TRL's gather for its own generation)",
     "use_transformers_continuous_batching": "TRL's generation",
     "transformers_continuous_batching_config": "TRL's generation",
     "use_transformers_paged": "deprecated alias of use_transformers_continuous_batching",
@@ -151,11 +154,12 @@ RULES: tuple[Rule, ...] = (
     Rule("cache_implementation", "set with a sparse policy", "the sparse sampler owns the cache",
          lambda a, c: _sparse(c) and a.cache_implementation is not None,
          {"cache_implementation": "static"}, _POLICY),
-    Rule("deepspeed", "set with a sparse policy", "the sparse sampler runs the unwrapped model and "
-         "does not gather ZeRO-3 shards", lambda a, c: _sparse(c) and bool(a.deepspeed),
-         {"deepspeed": "ds_config.json"}, _POLICY),
-    Rule("fsdp", "set with a sparse policy", "the sparse sampler runs the unwrapped model and does "
-         "not gather FSDP shards", lambda a, c: _sparse(c) and bool(a.fsdp), {"fsdp": "full_shard"}, _POLICY),
+    Rule("ds3_gather_for_generation", "False under DeepSpeed with a sparse policy",
+         "the sparse sampler reads the full parameters for the whole rollout (its CUDA graphs and "
+         "fused step capture them); without the gather ZeRO-3 would all-gather every layer at "
+         "every decode step", lambda a, c: _sparse(c) and bool(a.deepspeed)
+         and not a.ds3_gather_for_generation,
+         {"deepspeed": "ds_config.json", "ds3_gather_for_generation": False}, _POLICY),
     Rule("beta", "!= 0 with distill=True", "TRL would take the adapter-disabled model, which is "
          "the trained one, as the reference", lambda a, c: c is not None and c.distill and a.beta != 0,
          {"beta": 0.1}, {**_POLICY, "distill": True}),

@@ -9,7 +9,9 @@ every ``GRPOConfig`` option is honoured or rejected (``sparsecorr_trl.options``)
 
 Rollouts: with ``SparseCorrConfig.policy`` set (and ``use_vllm=False``) the trainer samples
 with ``sparsecorr.decoding.generate`` under that KV policy and budget or schedule (the live
-schedule of a ``SparseCorrCallback`` when there is one) and records the sampler's log-prob of
+schedule of a ``SparseCorrCallback`` when there is one), on the policy's full parameters
+gathered once per rollout under FSDP v1/v2 and DeepSpeed ZeRO-3 and without its training hooks
+(``sparsecorr_trl.gather``), and records the sampler's log-prob of
 every token (and its top-k when the acceptance is needed); without it, TRL generates (vLLM
 records the log-probs; transformers' generate does not, and then nothing needs correcting).
 
@@ -45,6 +47,7 @@ from sparsecorr_trl.checkpoint import (
 )
 from sparsecorr_trl.config import SparseCorrConfig
 from sparsecorr_trl.corrections import needs_acceptance, with_group
+from sparsecorr_trl.gather import rollout_model
 from sparsecorr_trl.loss import AGGREGATION_BY_LOSS_TYPE, LossSpec, aggregation, trl_loss
 from sparsecorr_trl.metrics import entropy_bonus, log_sparsecorr, trl_metrics
 from sparsecorr_trl.options import check_trl_version, validate_grpo_args
@@ -160,20 +163,21 @@ class SparseGRPOTrainer(_trainer_base()):
         if images is not None and any(img for img in images if img):
             raise ValueError("images: sparsecorr's sampler is text-only, got image inputs")
         mode = "train" if self.model.training else "eval"
-        model = self.accelerator.unwrap_model(self.model)
         needs = self._sparsecorr_needs_acceptance or bool(self._callbacks())  # added later too
         topk = self.sparsecorr_config.acceptance_topk if needs else 0
         if topk and self._sparsecorr_topk is not None:
             raise ValueError("max_tool_calling_iterations: the acceptance rate (controller, "
                              "sparse_tail) needs one sampler call per generation batch, got a "
                              "multi-turn tool loop")
-        out = sparse_rollouts(
-            model, prompt_ids, policy=self.sparsecorr_policy, budget=self.sparsecorr_live_budget,
-            max_new_tokens=self.max_completion_length, eos_token_id=list(self.eos_token_ids),
-            pad_token_id=self._tokenizer.pad_token_id or 0, generator=self._sparsecorr_generator,
-            sampling=sampling_kwargs(self.args), logprobs_topk=topk,
-            cuda_graph=self.sparsecorr_config.cuda_graph, backend=self.sparsecorr_config.backend,
-            fused_step=self.sparsecorr_config.fused_step)
+        # shards gathered once for the whole rollout; no checkpointing or input-grad hooks
+        with rollout_model(self) as model:
+            out = sparse_rollouts(
+                model, prompt_ids, policy=self.sparsecorr_policy,
+                budget=self.sparsecorr_live_budget, max_new_tokens=self.max_completion_length,
+                eos_token_id=list(self.eos_token_ids), pad_token_id=self._tokenizer.pad_token_id or 0,
+                generator=self._sparsecorr_generator, sampling=sampling_kwargs(self.args),
+                logprobs_topk=topk, cuda_graph=self.sparsecorr_config.cuda_graph,
+                backend=self.sparsecorr_config.backend, fused_step=self.sparsecorr_config.fused_step)
         self.sparsecorr_rollout_engine = {"backend": out.backend, "cuda_graph": out.cuda_graph, "fused": out.fused}
         if topk:
             self._sparsecorr_topk = (out.topk_logp, out.topk_ids)
