@@ -1,7 +1,8 @@
 """``rollout.name=sparsecorr`` through verl's own machinery on a local Ray (CPU, started once for
 the module): the plugin registered by verl's entry-point loader, the replica launched as verl's
-hybrid mode does, requests served through verl's load balancer and ``LLMServerClient`` (what the
-agent loop calls), and the hybrid adapter's weight sync and memory calls."""
+hybrid mode does, requests served through verl's load balancer and ``LLMServerClient`` and through
+verl's ``SingleTurnAgentLoop`` (one GRPO rollout), and the hybrid adapter's weight sync and
+memory calls. A verl GRPO step itself needs GPU resource pools (docs: "verl", Status)."""
 
 from __future__ import annotations
 
@@ -135,6 +136,66 @@ def replica_state(replica):
     import ray
 
     return ray.get(replica.server_handle.state.remote())
+
+
+def _word_tokenizer():
+    """A word-level tokenizer over the tiny model's 128 ids (``w3`` .. ``w127``) whose chat
+    template joins the messages' contents: what the agent loop tokenizes prompts with."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, 128)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tok
+
+
+@pytest.fixture
+def agent_loop_module(monkeypatch):
+    """verl's agent loop, imported with a stand-in for Hydra (used only to instantiate agent
+    loops by name, which this test does itself): hydra-core 1.3 needs omegaconf < 2.4, and the
+    verl stack's tests run with omegaconf 2.4."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("hydra") is None:
+        stub = types.ModuleType("hydra")
+        stub.utils = types.SimpleNamespace(instantiate=None)
+        monkeypatch.setitem(sys.modules, "hydra", stub)
+    return importlib.import_module("verl.experimental.agent_loop.single_turn_agent_loop")
+
+
+def test_single_turn_agent_loop_rollout_against_the_server(replica, ckpt, agent_loop_module):
+    """verl's ``SingleTurnAgentLoop.run`` (what one GRPO rollout is), served by the replica:
+    its response and ``rollout_log_probs`` are the direct greedy ``generate``'s."""
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {
+        "name": "sparsecorr", "prompt_length": 16, "response_length": 6, "full_determinism": False}}})
+    lb = get_router_handle(servers={replica.server_address: replica.server_handle})
+    params = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+
+    async def run():  # the agent loop binds the running event loop when it is built
+        loop = agent_loop_module.SingleTurnAgentLoop(
+            trainer_config=DictConfigWrap(cfg), server_manager=LLMServerClient(cfg, lb),
+            tokenizer=_word_tokenizer(), processor=None, dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(OmegaConf.create({})))
+        return await asyncio.gather(*[loop.run(dict(params), raw_prompt=[
+            {"role": "user", "content": " ".join(f"w{t}" for t in p)}]) for p in PROMPTS])
+
+    outs = asyncio.run(run())
+    assert [o.prompt_ids for o in outs] == [list(p) for p in PROMPTS]
+    ref = _reference(ckpt, prompts=list(PROMPTS), max_new_tokens=6)
+    for out, (tokens, logp) in zip(outs, ref):
+        assert out.response_ids == tokens and out.response_mask == [1] * len(tokens)
+        rollout_log_probs = out.as_dict()["rollout_log_probs"]  # the batch key the correction reads
+        torch.testing.assert_close(rollout_log_probs, torch.tensor(logp), rtol=0, atol=0)
 
 
 def test_hybrid_adapter_syncs_weights_and_memory(replica, ckpt, monkeypatch):
