@@ -17,7 +17,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-__all__ = ["ARCHS", "tiny_model"]
+__all__ = ["ARCHS", "tiny_model", "trainer_prepared"]
 
 ARCHS = ("qwen3", "qwen2", "llama")
 
@@ -63,3 +63,18 @@ def tiny_model(
     model = cls(config).to(dtype)
     model.eval()
     return model
+
+
+def trainer_prepared(model: PreTrainedModel, *, train: bool = False) -> PreTrainedModel:
+    """``model`` prepared as a trainer prepares the model it trains (TRL's ``GRPOTrainer`` with
+    its default ``gradient_checkpointing=True``, through transformers' ``Trainer``): gradient
+    checkpointing on (non-reentrant), the input-require-grads forward hook on the input
+    embeddings, then eval mode (or train mode with ``train=True``). A peft model gets the same
+    calls (peft forwards them to its base model). Returns ``model``."""
+    import warnings
+
+    with warnings.catch_warnings():  # transformers 5.24 renames gradient_checkpointing_enable
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    return model.train() if train else model.eval()

@@ -90,9 +90,12 @@ class Engine:
         self.forced_keep: dict | None = None  # {(row, context): positions [L, H, K]}: replay these
         self.graphs = None
         if cuda_graph:
+            from .fused import fused_status
             from .graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(fused=fused)  # no reference back to the engine: no cycle to collect
+            # no reference back to the engine: no cycle to collect; a fused step that failed for
+            # this model state before is not attempted again
+            self.graphs = DecodeGraphs(fused=fused_status(model) if fused else "off")
 
     def _keep_cap(self) -> int:
         """Most pages a sparse layer keeps in this run (a static size for CUDA graphs)."""

@@ -35,15 +35,18 @@ warns once and runs the unfused step; ``RolloutBatch.meta["fused"]`` says ``"on"
 
 from __future__ import annotations
 
+import sys
+import traceback
 import warnings
+import weakref
 
 import torch
 
 from .cache import active
-from .hf import CacheBase, cache_keyword
+from .hf import CacheBase, cache_keyword, input_embeddings, model_state
 
 __all__ = ["COMPILE_OPTIONS", "PASS_CACHE", "attend", "capture_fused", "compiled_forward", "decode_forward",
-           "fused_forward"]
+           "describe", "fused_forward", "fused_status", "release", "remember_failure"]
 
 #: inductor without its own CUDA graphs (ours capture the compiled code)
 COMPILE_OPTIONS = {"triton.cudagraphs": False}
@@ -85,14 +88,15 @@ class _PassCache(CacheBase):
 PASS_CACHE = _PassCache(0)
 
 
-def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: dict) -> torch.Tensor:
-    """The last position's logits of one forward of ``ids`` at ``positions`` (what is compiled;
-    ``cache``: ``{keyword: PASS_CACHE}``, the keyword resolved outside, `hf.cache_keyword`).
+def decode_forward(model, embeds: torch.Tensor, positions: torch.Tensor, cache: dict) -> torch.Tensor:
+    """The last position's logits of one forward of the input embeddings ``embeds`` at
+    ``positions`` (what is compiled; ``cache``: ``{keyword: PASS_CACHE}``, the keyword resolved
+    outside, `hf.cache_keyword`).
 
     Shapes:
-        ids, positions ``[B, 1]`` -> ``[B, V]``.
+        embeds ``[B, 1, H]``, positions ``[B, 1]`` -> ``[B, V]``.
     """
-    return model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **cache).logits[:, -1]
+    return model(inputs_embeds=embeds, position_ids=positions, use_cache=True, logits_to_keep=1, **cache).logits[:, -1]
 
 
 _COMPILED = None
@@ -113,27 +117,78 @@ RECOMPILE_LIMIT = 64
 
 
 def fused_forward(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """`decode_forward` compiled, for the active cache (its batch dimension dynamic).
+    """`decode_forward` compiled, for the active cache (its batch dimension dynamic). The input
+    embedding runs eagerly first, with its forward hooks (a trainer's, see the module's
+    *Training hooks*), and the compiled forward starts from its output.
 
     Shapes:
         ids, positions ``[B, 1]`` -> ``[B, V]``.
     """
-    torch._dynamo.maybe_mark_dynamic(ids, 0)
+    embeds = input_embeddings(model)(ids)
+    torch._dynamo.maybe_mark_dynamic(embeds, 0)
     torch._dynamo.maybe_mark_dynamic(positions, 0)
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-        return compiled_forward()(model, ids, positions, {cache_keyword(model): PASS_CACHE})
+        return compiled_forward()(model, embeds, positions, {cache_keyword(model): PASS_CACHE})
+
+
+def release(exc: BaseException, *, outer: BaseException | None = None) -> None:
+    """Break the reference cycles ``exc`` may close through its frames, so what those frames
+    hold (the step's pool, cache and runner) is freed by reference counting, without Python's
+    cycle collector: dynamo's ``Unsupported`` is kept as a local of a frame of its own traceback
+    (``torch._dynamo.eval_frame``'s ``compile_wrapper`` re-raises it), a cycle through every
+    frame below it. Clears the frames of ``exc``'s traceback and of every exception chained to
+    it (``__cause__``, ``__context__``) and drops the tracebacks; frames still running (the
+    caller's) are left alone, and so is ``outer`` (the exception the caller was handling when
+    the attempt began, ``sys.exc_info()[1]``: the chain's own context, not ours to clear) and
+    what it chains to. For an exception that is handled, not re-raised."""
+    todo, seen = [exc], {id(outer)}
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+
+
+def describe(exc: BaseException) -> str:
+    """``"<type>: <first line of the message, at most 200 characters>"``."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+#: fused-step failures per model: {model: {hf.model_state(model): "failed: <error>"}}
+_FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fused_status(model) -> str:
+    """``"on"``, or the ``"failed: <error>"`` a fused attempt met for ``model`` in its current
+    state (`hf.model_state`: dtype, device, hooks, gradient checkpointing), so a later call runs
+    the unfused step at once instead of paying the failed compile again."""
+    return _FAILED.get(model, {}).get(model_state(model), "on")
+
+
+def remember_failure(model, status: str) -> None:
+    """Record ``status`` (``"failed: ..."``) for ``model`` in its current state (see
+    `fused_status`); the record goes with the model."""
+    _FAILED.setdefault(model, {})[model_state(model)] = status
 
 
 def capture_fused(make, *, fused: str):
     """``(make(True), "on")`` when ``fused`` is ``"on"`` and the fused step compiles and captures;
     otherwise ``(make(False), fused)``, after one ``RuntimeWarning`` and with ``fused`` =
     ``"failed: <error>"`` when the fused attempt raised (the runners undo a warm-up step's
-    writes even when it raises part way, so the unfused capture starts from the same state)."""
+    writes even when it raises part way, so the unfused capture starts from the same state).
+    The failed attempt's exception is `release`d and not kept: nothing of the attempt outlives
+    this call."""
     if fused == "on":
+        outer = sys.exc_info()[1]
         try:
             return make(True), "on"
         except Exception as exc:
-            fused = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            warnings.warn(f"fused: compiling or capturing the fused decode step failed, running it unfused ({fused[8:]})",
-                          RuntimeWarning, stacklevel=3)
+            fused = f"failed: {describe(exc)}"
+            release(exc, outer=outer)
+        warnings.warn(f"fused: compiling or capturing the fused decode step failed, running it unfused ({fused[8:]})",
+                      RuntimeWarning, stacklevel=3)
     return make(False), fused

@@ -23,7 +23,7 @@ from . import graphs
 from .backends import get_backend
 from .cache import ATTN_NAME, active_cache
 from .engine import Engine, pool_capacity
-from .hf import check_transformers, model_spec, sparse_attention
+from .hf import check_transformers, eval_modules, model_spec, sparse_attention
 from .loops import Sampling, decode_loop, forced_loop, prefill
 from .policies import KVPolicy
 from .rollout import KeptSets, RolloutBatch, blank_fields, kept_sets
@@ -131,7 +131,8 @@ def _loops(engine, ids, lens, live, *, chunk, t_max, samp, eos_token_id, pruner,
            forced_len, chunk_size, grad, bar) -> tuple[dict, dict]:
     """Prefill, then the decode or teacher-forcing loop; the fields and the wall times."""
     device = engine.device
-    with sparse_attention(engine.model, ATTN_NAME), active_cache(engine.cache), torch.set_grad_enabled(grad):
+    with eval_modules(engine.model), sparse_attention(engine.model, ATTN_NAME), active_cache(engine.cache), \
+            torch.set_grad_enabled(grad):
         t0 = time.perf_counter()
         logits = prefill(engine, ids, lens, chunk)
         _sync(device)

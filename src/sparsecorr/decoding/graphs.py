@@ -28,6 +28,7 @@ moment the engine is dropped (no cycle for Python's collector to find).
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from types import SimpleNamespace
 import torch
 
 from .cache import Step
-from .fused import capture_fused, fused_forward
+from .fused import capture_fused, describe, fused_forward, release, remember_failure
 from .hf import forward
 from .policies import selection_plan
 
@@ -143,10 +144,12 @@ class DecodeGraphs:
     """One captured decode forward per batch size met (bucketed by the decode loop), for an
     `sparsecorr.decoding.engine.Engine`."""
 
-    def __init__(self, *, runner=None, fused: bool = False) -> None:
+    def __init__(self, *, runner=None, fused: bool | str = False) -> None:
         self.captured: dict[int, _Captured] = {}
         self.status = "on"
-        self.fused = "on" if fused else "off"  # "failed: ..." once the fused step failed (then unfused)
+        # "on", "off", or "failed: ..." once the fused step failed, in this call or an earlier
+        # one for the same model state (`sparsecorr.decoding.fused.fused_status`): then unfused
+        self.fused = fused if isinstance(fused, str) else "on" if fused else "off"
         self.captures = 0  # graphs captured (one per batch bucket met)
         self.capture_s = 0.0  # host seconds spent capturing (warm-up step included)
         self.runner = runner or CudaGraphRunner
@@ -202,7 +205,10 @@ class DecodeGraphs:
         make = lambda fused: self.runner(  # noqa: E731
             functools.partial(_graph_forward, e.model, e.cache, st, static_ids, fused),
             pool=self.pool, restore=restore, device=e.device)
+        before = self.fused
         c.runner, self.fused = capture_fused(make, fused=self.fused)
+        if before == "on" and self.fused != "on":  # the next call with this model state skips the attempt
+            remember_failure(e.model, self.fused)
         self.capture_s += time.perf_counter() - t0  # torch.cuda.graph syncs on entry
         self.captures += 1
         self.captured = {b: c}
@@ -212,13 +218,15 @@ class DecodeGraphs:
         """The step's output (``.logits [B, 1, V]``) for ``engine``, from a graph replay; None if
         capture failed (the caller then runs the step eagerly)."""
         b = ids.shape[0]
+        outer = sys.exc_info()[1]
         try:
             c = self.captured.get(b) or self._capture(engine, ids)
         except Exception as exc:  # an op that cannot be captured: stay eager, say so
-            warnings.warn(f"cuda_graph: capture failed, decoding eagerly ({type(exc).__name__}: {exc})",
-                          RuntimeWarning, stacklevel=2)
+            error = describe(exc)
+            release(exc, outer=outer)  # its frames hold the step's buffers and the pool: nothing of them kept
             self.status = f"failed: {type(exc).__name__}"
             self.captured = {}
+            warnings.warn(f"cuda_graph: capture failed, decoding eagerly ({error})", RuntimeWarning, stacklevel=2)
             if hasattr(engine.cache.backend, "reset_graph"):  # eager kernels for the eager steps
                 engine.cache.backend.reset_graph()
             return None

@@ -46,8 +46,11 @@ __all__ = [
     "cache_keyword",
     "check_transformers",
     "config_vocab_size",
+    "eval_modules",
     "forward",
+    "input_embeddings",
     "model_spec",
+    "model_state",
     "register_attention",
     "sparse_attention",
 ]
@@ -159,6 +162,44 @@ def sparse_attention(model, name: str) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(previous)
+
+
+def input_embeddings(model) -> torch.nn.Module:
+    """The model's input embedding module (a peft wrapper: its base model's), called with its
+    forward hooks (a trainer's ``enable_input_require_grads`` hook, a dtype cast)."""
+    return model.get_input_embeddings()
+
+
+@contextlib.contextmanager
+def eval_modules(model) -> Iterator[None]:
+    """Every module of ``model`` in eval mode inside the block; each module's own ``training``
+    flag restored after it, also when the block raises.
+
+    In train mode a transformers decoder layer with gradient checkpointing on drops the cache it
+    is given (``GradientCheckpointingLayer``: "Caching is incompatible with gradient
+    checkpointing"), so the engine's pool would not be written; in eval mode checkpointing is
+    inactive (its flags untouched) and the layers run as at inference. The engine's attention
+    has no dropout, so for the supported architectures eval mode changes nothing else.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, flag in modes:
+            m.training = flag
+
+
+def model_state(model) -> tuple:
+    """What a compiled forward of ``model`` depends on beyond its weights' values, as a hashable
+    key: the class, the parameters' dtype and device, the ids of every module's forward hooks
+    and pre-hooks (a hook added or removed changes it) and the gradient-checkpointing flags."""
+    param = next(model.parameters())
+    modules = list(model.modules())
+    hooks = tuple(sorted(k for m in modules for d in (m._forward_hooks, m._forward_pre_hooks) for k in d))
+    checkpointing = tuple(bool(m.gradient_checkpointing) for m in modules if hasattr(m, "gradient_checkpointing"))
+    return type(model), param.dtype, param.device, hooks, checkpointing
 
 
 @dataclass(frozen=True)
