@@ -36,6 +36,7 @@ RunBatch = Callable[[Sequence[EngineRequest]], list[Completion]]
 class _Waiting:
     request: EngineRequest
     future: asyncio.Future
+    arrived: float
 
 
 class RequestBatcher:
@@ -87,8 +88,9 @@ class RequestBatcher:
             if self._rejecting:
                 return None
             await self._admit.wait()
-        future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Waiting(request, future))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.append(_Waiting(request, future, loop.time()))
         self._arrived.set()
         return await future
 
@@ -135,7 +137,7 @@ class RequestBatcher:
             while not self._queue:
                 self._arrived.clear()
                 await self._arrived.wait()
-            deadline = loop.time() + self.window_s
+            deadline = self._queue[0].arrived + self.window_s
             while self._queue and len(self._same_key()) < self.max_batch:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -153,6 +155,16 @@ class RequestBatcher:
                 return sorted(batch, key=lambda w: w.request.request_id)
 
     async def _serve(self) -> None:
+        try:
+            await self._batches()
+        except BaseException as exc:  # never leave a caller waiting on a dead loop
+            for w in self._queue:
+                if not w.future.done():
+                    w.future.set_exception(RuntimeError(f"the request batcher stopped: {exc!r}"))
+            self._queue.clear()
+            raise
+
+    async def _batches(self) -> None:
         while True:
             batch = await self._gather()
             async with self._lock:
