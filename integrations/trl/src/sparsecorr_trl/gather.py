@@ -19,9 +19,10 @@ CUDA graphs and the fused step capture them):
   the hooks put back in place and ``reshard()``.
 
 `training_hooks_off` is the other half, as TRL's ``disable_gradient_checkpointing``: gradient
-checkpointing is switched off and transformers' ``enable_input_require_grads`` forward hooks are
-removed for the rollout, then both are restored as they were (one hook per embedding: re-enabling
-through ``gradient_checkpointing_enable`` would leave the old hooks registered beside new ones).
+checkpointing is switched off and the input embeddings' require-grads forward hooks
+(transformers' ``enable_input_require_grads``, PEFT's) are set aside for the rollout, then the
+same flags and hook objects are put back (re-enabling through ``gradient_checkpointing_enable``,
+as TRL does, would register one more hook per rollout and leave the old ones in place).
 Dynamo cannot trace the hook's ``requires_grad_()`` on every torch in range, and a rollout under
 ``torch.no_grad()`` needs neither.
 """
@@ -36,22 +37,30 @@ from torch import nn
 __all__ = ["full_parameters", "rollout_model", "training_hooks_off"]
 
 
+def _input_grad_hooks(model: nn.Module) -> list[tuple[dict, int]]:
+    """``(hook dict, key)`` of every forward hook that makes an input embedding's output require
+    grad: transformers' ``enable_input_require_grads`` and PEFT's (each call of the former
+    registers one more and forgets the last, so a prepared model may carry several)."""
+    found = []
+    for m in model.modules():
+        embed = m.get_input_embeddings() if hasattr(m, "get_input_embeddings") else None
+        if isinstance(embed, nn.Module):
+            found += [(embed._forward_hooks, k) for k, hook in embed._forward_hooks.items()
+                      if "require_grad" in getattr(hook, "__qualname__", "")]
+    return list({(id(d), k): (d, k) for d, k in found}.values())
+
+
 @contextlib.contextmanager
 def training_hooks_off(model: nn.Module) -> Iterator[nn.Module]:
-    """``model`` without gradient checkpointing and without input-require-grads hooks; both
-    come back as they were on exit, whatever happens inside."""
+    """``model`` without gradient checkpointing and without input-require-grads hooks; the same
+    flags and the same hook objects come back, in their places, on exit whatever happens."""
     checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    hooked = [m for m in model.modules()
-              if getattr(m, "_require_grads_hooks", None) and hasattr(m, "enable_input_require_grads")]
     for m in checkpointed:
         m.gradient_checkpointing = False
-    for m in hooked:
-        m.disable_input_require_grads()
     try:
-        yield model
+        with _hooks_set_aside(_input_grad_hooks(model)):
+            yield model
     finally:
-        for m in hooked:
-            m.enable_input_require_grads()
         for m in checkpointed:
             m.gradient_checkpointing = True
 
@@ -64,20 +73,20 @@ def _fsdp2_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _handles(handle) -> list:
-    """The ``RemovableHandle`` objects behind one FSDP2 hook handle (a group's is a multi-handle)."""
-    return list(getattr(handle, "handles", (handle,)))
+def _handle_keys(handle) -> list[tuple[dict, int]]:
+    """``(hook dict, key)`` behind one FSDP2 hook handle (a group's is a multi-handle)."""
+    handles = list(getattr(handle, "handles", (handle,)))
+    return [(h.hooks_dict_ref(), h.id) for h in handles if h.hooks_dict_ref() is not None]
 
 
 @contextlib.contextmanager
-def _hooks_set_aside(handles: list) -> Iterator[None]:
-    """Take the hooks behind ``handles`` out of their modules' hook dicts, and put them back at
-    the same place in the order on exit (hooks registered meanwhile stay, after them)."""
+def _hooks_set_aside(keys: list[tuple[dict, int]]) -> Iterator[None]:
+    """Take the hooks at ``keys`` out of their modules' hook dicts, and put them back at the same
+    place in the order on exit (hooks registered meanwhile stay, after them)."""
     taken = []
-    for handle in handles:
-        hooks = handle.hooks_dict_ref()
-        if hooks is not None and handle.id in hooks:
-            taken.append((hooks, list(hooks), handle.id, hooks.pop(handle.id)))
+    for hooks, key in keys:
+        if key in hooks:
+            taken.append((hooks, list(hooks), key, hooks.pop(key)))
     try:
         yield
     finally:
@@ -94,14 +103,14 @@ def _fsdp2_unsharded(model: nn.Module, modules: list[nn.Module]) -> Iterator[Non
         # before the first forward FSDP's root lazy init (shared state, streams) has not run,
         # and unshard needs it; the first training forward finds it done, as after any forward
         states[0]._lazy_init()
-    handles = [h for s in states for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle")
-               for h in _handles(getattr(s, name))]
+    hooks = [k for s in states for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle")
+             for k in _handle_keys(getattr(s, name))]
     unsharded = []
     try:
         for m in modules:
             m.unshard()
             unsharded.append(m)
-        with _hooks_set_aside(handles):
+        with _hooks_set_aside(hooks):
             yield
     finally:
         for m in unsharded:
