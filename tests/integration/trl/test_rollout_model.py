@@ -101,3 +101,22 @@ def test_trainer_with_gradient_checkpointing_logs_fused_on(tmp_path, cpu_graphs,
     assert len(seen["outside"]) == 2
     for before, after in seen["outside"]:
         assert before == after and before[0] >= 1 and before[1], seen["outside"]
+
+
+def test_sharded_policies_are_accepted_and_zero3_without_the_gather_refused():
+    from sparsecorr_trl import validate_grpo_args
+    from trl import GRPOConfig
+
+    from tests.integration.trl import parity
+
+    args = GRPOConfig(**{**parity.BASE, "output_dir": "/tmp/unused"})
+    cfg = SparseCorrConfig("sparse_rl", policy="streaming_llm", budget=4)
+    args.fsdp, args.deepspeed = "full_shard", "ds_config.json"
+    validate_grpo_args(args, cfg)  # refused before: now gathered once per rollout
+    args.ds3_gather_for_generation = False
+    with pytest.raises(ValueError, match=r"ds3_gather_for_generation: expected not False under "
+                                         r"DeepSpeed with a sparse policy \(the sparse sampler reads"):
+        validate_grpo_args(args, cfg)
+    validate_grpo_args(args, SparseCorrConfig("sparse_rl"))  # TRL's generation: TRL's choice
+    args.deepspeed = None
+    validate_grpo_args(args, cfg)  # the option does nothing without DeepSpeed
