@@ -256,3 +256,15 @@ def test_engine_options_come_from_engine_kwargs_and_are_checked():
         engine_options(both)
     custom = rollout_config(custom={"sparsecorr": {"policy": "rkv", "budget": 8}}, engine_kwargs={})
     assert engine_options(custom).budget == 8
+
+
+def test_full_determinism_seeds_every_batch_like_verls_vllm_server(ckpt):
+    """``rollout.full_determinism``: a request without a seed samples with ``rollout.seed +
+    replica_rank``, so the same batch sent twice gives the same tokens."""
+    server = _server(ckpt, full_determinism=True, seed=5, engine={**_engine(), "batch_window_ms": 1000})
+    params = {"temperature": 1.0, "max_tokens": 6, "logprobs": True}
+    first = asyncio.run(_serve(server, _eight(), params))
+    server = _server(ckpt, full_determinism=True, seed=5, engine={**_engine(), "batch_window_ms": 1000})
+    again = asyncio.run(_serve(server, _eight(), params))
+    ref = direct(_copy(ckpt), [p for _, p in _eight()], max_new_tokens=6, temperature=1.0, seed=5)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == [r[0] for r in ref]

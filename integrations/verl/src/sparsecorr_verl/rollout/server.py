@@ -19,7 +19,9 @@ mode, no gradients, no training hooks) and serves verl's token-in / token-out co
 Seeds: a request with ``sampling_params["seed"]`` is batched only with requests of the same
 seed, and its batch samples with ``torch.Generator().manual_seed(seed)`` over the rows ordered by
 ``request_id``. Without a seed the server's own generator (seeded once with ``rollout.seed +
-replica_rank``) samples, so runs repeat when the batches do.
+replica_rank``) samples, so runs repeat when the batches do; with ``rollout.full_determinism``
+every request without a seed gets ``rollout.seed + replica_rank``, as verl's vLLM server does, so
+every batch samples from a freshly seeded generator.
 """
 
 from __future__ import annotations
@@ -154,7 +156,10 @@ class SparseCorrServer:
             raise ValueError(f"{unknown[0]}: not an argument of the sparsecorr server's generate, got a value")
         prompt_len, response_len = int(_field(self.config, "prompt_length", 0)), int(_field(self.config, "response_length", 1))
         n = len(prompt_ids)
-        request = parse_request(request_id, prompt_ids, dict(sampling_params or {}),
+        params = dict(sampling_params or {})
+        if bool(_field(self.config, "full_determinism", False)) and params.get("seed") is None:
+            params["seed"] = int(_field(self.config, "seed", 0)) + int(self.replica_rank)  # as verl's vLLM server
+        request = parse_request(request_id, prompt_ids, params,
                                 max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                 default_max_tokens=max(1, min(response_len, prompt_len + response_len - n)))
         done = await self._batcher.submit(request)
