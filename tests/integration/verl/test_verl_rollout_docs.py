@@ -42,3 +42,20 @@ def test_docs_table_lists_every_engine_option():
     page = SOURCES["docs"].read_text()
     rows = set(re.findall(r"^\| `(\w+)` \|", page, flags=re.M))
     assert set(EngineOptions.__dataclass_fields__) <= rows
+
+
+def test_make_test_lowest_installs_the_ray_verl_requires():
+    """The Ray ``make test-lowest`` installs beside verl 0.9.1 satisfies verl's own requirement."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+
+    try:
+        wanted = [Requirement(r) for r in requires("verl") or [] if Requirement(r).name == "ray"]
+    except PackageNotFoundError:
+        pytest.skip("verl is not installed")
+    line = re.search(r"^VERL_RUNTIME := (.+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert line, "Makefile has no VERL_RUNTIME"
+    pins = {Requirement(p).name: Requirement(p) for p in line.group(1).split()}
+    version = next(iter(pins["ray"].specifier)).version
+    assert wanted and all(req.specifier.contains(version) for req in wanted)

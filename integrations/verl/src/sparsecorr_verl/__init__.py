@@ -6,8 +6,11 @@ group, so ``import verl`` loads `sparsecorr_verl.plugin` in every process. Then,
     actor_rollout_ref.actor.policy_loss.loss_mode: sparsecorr
     algorithm.rollout_correction.sparsecorr: {preset: sparse_rl}
 
-or launch with ``python -m sparsecorr_verl.main_ppo <verl overrides>``. Importing this package
-does not import verl; importing ``sparsecorr_verl.plugin`` does, and installs the plugin.
+or launch with ``python -m sparsecorr_verl.main_ppo <verl overrides>``. With Ray installed
+(verl's requirement) the plugin also registers the rollout backend
+``actor_rollout_ref.rollout.name=sparsecorr`` (`sparsecorr_verl.rollout`): verl's rollouts
+served by sparsecorr's sparse decoding engine. Importing this package does not import verl;
+importing ``sparsecorr_verl.plugin`` does, and installs the plugin.
 """
 
 from .check import TESTED_VERL, VerlMismatchError, check_verl, verl_problems
