@@ -55,12 +55,10 @@ class SparseCorrReplica(RolloutReplica):
             raise ValueError(f"workers: expected the one worker of this replica, got {len(self.workers)}")
 
         def where(_worker) -> tuple[str, str]:
-            import os
-
             import ray as ray_
 
-            ctx = ray_.get_runtime_context()
-            return ctx.get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            ctx = ray_.get_runtime_context()  # the GPU Ray gave the worker, whatever its env says
+            return ctx.get_node_id(), ",".join(str(i) for i in ctx.get_accelerator_ids().get("GPU", []))
 
         node_id, devices = await self.workers[0].__ray_call__.remote(where)
         role = "reward" if self.is_reward_model else "teacher" if self.is_teacher_model else ""
