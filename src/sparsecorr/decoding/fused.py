@@ -9,8 +9,8 @@ mkldnn) calls.
 
 What is compiled and what is not:
 
-- **Compiled**: HF's forward from the embedding to the last position's logits (norms, rotary,
-  projections, MLP, residuals, the final norm and the LM head), traced by dynamo with
+- **Compiled**: HF's forward from the input embeddings to the last position's logits (norms,
+  rotary, projections, MLP, residuals, the final norm and the LM head), traced by dynamo with
   ``fullgraph=True`` and lowered by inductor **without** inductor's CUDA graphs
   (``triton.cudagraphs = False``): our `CudaGraphRunner` captures the compiled code as it
   captures the eager step.
@@ -20,17 +20,33 @@ What is compiled and what is not:
   the active cache exactly as the eager step does (``SparseKVCache.write`` then ``attend``). The
   cache the compiled forward sees is `PASS_CACHE`, which hands K/V through untouched and has a
   constant length, so no guard depends on the pool, the step or any per-step Python value.
-- **Eager, inside the captured step**: the step's mask and BlockTopK's selection plan (built
-  before the compiled call, as in the unfused step), and everything outside the captured step
-  (compression, sampling, FlashInfer's ``plan``).
+- **Eager, inside the captured step**: the input embedding lookup (with its forward hooks), the
+  step's mask and BlockTopK's selection plan (built before the compiled call, as in the unfused
+  step), and everything outside the captured step (compression, sampling, FlashInfer's ``plan``).
+
+**Training hooks.** The model a trainer trains carries hooks on its input embeddings:
+transformers' ``enable_input_require_grads`` (installed by TRL and peft with gradient
+checkpointing) calls ``output.requires_grad_(True)``, which dynamo in torch 2.11 cannot trace
+(``Unsupported Tensor.requires_grad_() call``); TRL may add a dtype cast there. The embedding
+therefore runs eagerly, hooks included, and the compiled forward starts from its output
+(``inputs_embeds``): nothing of the model is changed or has to be restored. Gradient
+checkpointing is inactive because ``generate`` runs the model in eval mode
+(`sparsecorr.decoding.hf.eval_modules`); a peft model is compiled through its wrapper.
 
 When: the compiled function is made once per process (dynamo keeps its code per Python code
 object); it compiles on the first call, which is the first captured step's warm-up (on the
 capture stream), with the batch dimension marked dynamic, so one compile serves every batch
 bucket above 1 (dynamo specialises a batch of 1: a second compile when the batch shrinks to 1).
-A later ``generate`` with the same model reuses it. If compiling or running it fails, the engine
-warns once and runs the unfused step; ``RolloutBatch.meta["fused"]`` says ``"on"``, ``"off"``,
-``"failed: <error>"`` or ``"unused"`` (asked for, but no decode step was captured).
+A later ``generate`` with the same model reuses it. ``RolloutBatch.meta["fused"]`` says ``"on"``,
+``"off"``, ``"failed: <error>"`` or ``"unused"`` (asked for, but no decode step was captured).
+
+**A failed attempt** (compiling, or capturing the compiled code) costs one attempt per model
+state and holds nothing: the engine warns once and runs the unfused step; the failure is
+remembered for the model in its state (`fused_status`, `remember_failure`; the state is
+`sparsecorr.decoding.hf.model_state`), so a later call with the same model and state runs the
+unfused step at once and reports the same ``"failed: <error>"`` without a new warning; the
+exception is not kept and its frames are cleared (`release`), since dynamo's ``Unsupported`` is
+kept by a frame of its own traceback, a cycle through the frames that hold the call's KV pool.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import sparsecorr.decoding.fused as fused_mod
 import sparsecorr.decoding.graphs as graphs_mod
 from sparsecorr.decoding import RKV, BlockTopK, Dense, SnapKV, StreamingLLM, generate
 from sparsecorr.decoding.cache import active
-from sparsecorr.decoding.hf import forward
+from sparsecorr.decoding.hf import cache_keyword
 from tests.models import tiny_model
 
 
@@ -137,15 +137,17 @@ def test_fused_needs_the_graph_step(model):
 
 @pytest.mark.parametrize("policy", [RKV(window=3, buffer=3), BlockTopK(page_size=2, keep_last_pages=1, dense_layers=1)],
                          ids=lambda p: p.name)
-def test_a_failed_compile_warns_and_runs_the_unfused_step(cpu_graphs, model, monkeypatch, policy):
+def test_a_failed_compile_warns_and_runs_the_unfused_step(cpu_graphs, monkeypatch, policy):
     """The compiled forward raises after a full forward (every layer's K/V, ring and page-sum
     writes done): the step falls back to the unfused capture, with the warm-up's writes undone
     (BlockTopK's running page sums would otherwise count the step's key twice), so tokens and
-    log-probs are the unfused step's."""
+    log-probs are the unfused step's. A model of its own: the failure is remembered for it."""
+    model = tiny_model("qwen3", num_layers=2)
 
-    def broken(model, ids, positions, cache):
+    def broken(model, embeds, positions, cache):
         c = active()
-        forward(model, input_ids=ids, position_ids=positions, cache=c, logits_to_keep=1)
+        model(inputs_embeds=embeds, position_ids=positions, use_cache=True, logits_to_keep=1,
+              **{cache_keyword(model): c})
         raise RuntimeError("inductor: C++ compile failed")
 
     monkeypatch.setattr(fused_mod, "compiled_forward", lambda: broken)
