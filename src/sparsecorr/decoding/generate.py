@@ -212,11 +212,17 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
             see [`sparsecorr.decoding.graphs`][sparsecorr.decoding.graphs]). Falls back to eager
             steps, with a warning, if capture fails; ``meta["cuda_graph"]`` records which ran:
             ``"on"``, ``"failed: <error>"``, ``"unused"`` (asked for, but no decode step ran)
-            or ``"off"``; ``meta["fused"]`` likewise for the fused step.
+            or ``"off"``; ``meta["fused"]`` likewise for the fused step (a fused step that failed
+            for this model in its current state is not attempted again: the same
+            ``"failed: <error>"``, no second warning; see `sparsecorr.decoding.fused`).
         record_keep: record the kept set of every compression event on
             ``RolloutBatch.kept_sets`` (eviction policies; a debugging and parity tool: one
             device-to-host copy of the kept positions per event). ``teacher_forced_logprobs(...,
             keep_sets=batch.kept_sets)`` replays them.
+
+    The model runs in eval mode for the call (a decoder layer with gradient checkpointing
+    active in train mode would drop the cache) and each module's ``training`` flag is restored
+    afterwards; its hooks and checkpointing flags are not touched.
 
     The call holds nothing after it returns: the KV pool, the captured graphs and the backend's
     plans are released when it returns or raises (no reference cycle, so no wait for Python's

@@ -22,7 +22,9 @@ for the life of the process (32 MiB on Hopper), so a new stream per capture woul
 behind every ``generate`` call. Nothing here points back at the engine: `DecodeGraphs` takes it
 as an argument, and the captured step closes over the model, the cache and its static buffers
 only, so the graphs, the pool and the FlashInfer plans are freed by reference counting the
-moment the engine is dropped (no cycle for Python's collector to find).
+moment the engine is dropped (no cycle for Python's collector to find). A capture that fails
+is not kept either: its exception's frames, which hold the step's buffers and the pool, are
+cleared (`sparsecorr.decoding.fused.release`).
 """
 
 from __future__ import annotations
