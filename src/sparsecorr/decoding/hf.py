@@ -175,11 +175,12 @@ def eval_modules(model) -> Iterator[None]:
     """Every module of ``model`` in eval mode inside the block; each module's own ``training``
     flag restored after it, also when the block raises.
 
-    In train mode a transformers decoder layer with gradient checkpointing on drops the cache it
-    is given (``GradientCheckpointingLayer``: "Caching is incompatible with gradient
-    checkpointing"), so the engine's pool would not be written; in eval mode checkpointing is
-    inactive (its flags untouched) and the layers run as at inference. The engine's attention
-    has no dropout, so for the supported architectures eval mode changes nothing else.
+    In train mode a transformers 5.9 decoder layer with gradient checkpointing on drops the cache
+    it is given (``GradientCheckpointingLayer``: "Caching is incompatible with gradient
+    checkpointing"; 5.24 keeps it when gradients are off), so the engine's pool would not be
+    written; in eval mode checkpointing is inactive (its flags untouched) and the layers run as
+    at inference, on every supported version. The engine's attention has no dropout, so for the
+    supported architectures eval mode changes nothing else.
     """
     modes = [(m, m.training) for m in model.modules()]
     for m, _ in modes:
