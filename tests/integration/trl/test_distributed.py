@@ -3,22 +3,17 @@ TRL metrics and parameters equal one process on the same global batch (global to
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("trl")
-import psutil  # accelerate's dependency: finds the launcher's ranks on a timeout
+pytest.importorskip("psutil")  # accelerate's dependency: finds the launcher's ranks on a timeout
 from safetensors.torch import load_file
 
-from tests.distributed import free_port
+from tests.distributed import launch
 
 pytestmark = [pytest.mark.dist]
 
@@ -30,36 +25,14 @@ COMPARED = ("loss", "grad_norm", "entropy", "clip_ratio/low_mean", "clip_ratio/h
 
 
 def _launch(out: Path, loss_type: str, processes: int) -> tuple[list[dict], dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *(p for p in sys.path if p)]), "OMP_NUM_THREADS": "1"}
-    if processes == 1:
-        cmd = [sys.executable, WORKER]
-    else:
-        # torchrun-style launch; use_cpu=True makes accelerate join the processes with gloo
-        # a free port of our own: a rank left over from another run cannot join this one
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-               str(processes), "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", str(free_port()), WORKER]
-    # its own session, so a timeout kills the launcher's process group, and its ranks, which
-    # torch's elastic agent starts in sessions of their own (an orphaned rank holds the pipes
-    # open: a whole CI run once hung on one)
-    proc = subprocess.Popen([*cmd, str(out), loss_type, "8"], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        ranks = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for rank in ranks:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                rank.kill()
-        try:  # never wait on the pipes unbounded
-            _, stderr = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired as late:
-            stderr = late.stderr if isinstance(late.stderr, str) else (late.stderr or b"").decode(errors="replace")
+    # its own port and session; on a timeout the launcher and its ranks are killed and the
+    # pipes never waited on unbounded (an orphaned rank once hung a whole CI run)
+    code, stderr = launch(WORKER, [str(out), loss_type, "8"], processes=processes, cwd=ROOT,
+                          timeout_s=TIMEOUT_S)
+    if code is None:
         pytest.fail(f"{processes}-process run still alive after {TIMEOUT_S} s (one run takes "
                     f"~15 s); stderr tail:\n{stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    assert code == 0, stderr[-4000:]
     log = json.loads((out / "log.json").read_text())
     assert log["world"] == processes and (processes == 1 or log["backend"] == "gloo"), log
     return log["rows"], load_file(str(out / "params.safetensors"))
