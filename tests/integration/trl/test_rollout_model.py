@@ -120,3 +120,7 @@ def test_sharded_policies_are_accepted_and_zero3_without_the_gather_refused():
     validate_grpo_args(args, SparseCorrConfig("sparse_rl"))  # TRL's generation: TRL's choice
     args.deepspeed = None
     validate_grpo_args(args, cfg)  # the option does nothing without DeepSpeed
+    distill = SparseCorrConfig("sparse_rl", policy="streaming_llm", budget=4, distill=True)
+    args.beta = 0.0
+    with pytest.raises(ValueError, match=r"fsdp: expected not set with distill=True \(DistillSparse"):
+        validate_grpo_args(args, distill)

@@ -160,6 +160,14 @@ RULES: tuple[Rule, ...] = (
          "every decode step", lambda a, c: _sparse(c) and bool(a.deepspeed)
          and not a.ds3_gather_for_generation,
          {"deepspeed": "ds_config.json", "ds3_gather_for_generation": False}, _POLICY),
+    Rule("fsdp", "set with distill=True", "DistillSparse's adapter step runs its own forward, "
+         "backward and optimizer on the unwrapped model, outside FSDP's sharded step",
+         lambda a, c: c is not None and c.distill and bool(a.fsdp), {"fsdp": "full_shard"},
+         {**_POLICY, "distill": True}),
+    Rule("deepspeed", "set with distill=True", "DistillSparse's adapter step runs its own "
+         "forward, backward and optimizer on the unwrapped model, outside DeepSpeed's engine",
+         lambda a, c: c is not None and c.distill and bool(a.deepspeed),
+         {"deepspeed": "ds_config.json"}, {**_POLICY, "distill": True}),
     Rule("beta", "!= 0 with distill=True", "TRL would take the adapter-disabled model, which is "
          "the trained one, as the reference", lambda a, c: c is not None and c.distill and a.beta != 0,
          {"beta": 0.1}, {**_POLICY, "distill": True}),
