@@ -490,7 +490,9 @@ def test_docs_full_run_is_rebuilt_from_its_shipped_metrics(tmp_path):
     for name in ("calibration.json", "schedule.json", "run.json"):
         shutil.copy(FULL_RUN / name, tmp_path / name)
     (tmp_path / "metrics.jsonl").write_bytes(gzip.decompress((FULL_RUN / "metrics.jsonl.gz").read_bytes()))
-    assert json.loads((tmp_path / "run.json").read_text())["config"]["seeds"] == [0, 1, 2]
+    config = json.loads((tmp_path / "run.json").read_text())["config"]
+    assert config["claim_seeds"] == list(range(8)) and config["seeds"] == [0, 1, 2]
+    assert config["claim_arms"] == list(demo_run.DemoConfig.full().claim_arms)
     assert main(["demo", "--report-only", "--out", str(tmp_path)]) == 0
     rebuilt = (tmp_path / "report.md").read_text()
     docs = (ROOT / "docs" / "getting-started.md").read_text()
@@ -499,6 +501,8 @@ def test_docs_full_run_is_rebuilt_from_its_shipped_metrics(tmp_path):
     claimed = [ln for ln in section.splitlines()
                if re.match(r"- \*\*[^*]+: (holds|does not hold|not checked)\.\*\* ", ln)]
     assert len(tables) > 20 and len(claimed) == 5
+    assert "| seed | dense@64 | b16@64/none | b16@64/sparse_rl | difference |" in tables
+    assert sum(ln.startswith("| 7 |") for ln in tables) == 1  # the deciding table, 8 seeds
     for line in tables + claimed:
         assert line in rebuilt, line
     for number in re.findall(r"(?<![\w.])[-+]?\d+\.\d{2,}(?![\d.])", section):  # not versions

@@ -114,8 +114,15 @@ def _draw(ax, rows: list[dict], arms: list[str], key: str, *, before: str | None
 
 
 def _band(rows: list[dict]) -> str:
-    n = len({r.get("seed", 0) for r in rows})
-    return f"mean of {n} seeds, band min-max" if n > 1 else "one seed"
+    """How many seeds each curve averages: one count, or the counts the arms ran over."""
+    seeds: dict[str, set] = {}
+    for r in rows:
+        seeds.setdefault(r["arm"], set()).add(r.get("seed", 0))
+    counts = sorted({len(v) for v in seeds.values()})
+    if counts == [1]:
+        return "one seed"
+    n = " or ".join(str(c) for c in counts)
+    return f"mean of {n} seeds per arm, band min-max"
 
 
 def _per_sampler(rows: list[dict]) -> dict[str, list[str]]:
