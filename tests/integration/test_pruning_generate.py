@@ -1,5 +1,6 @@
 """ARRoL pruning inside sparsecorr.decoding.generate, on a tiny model (CPU, seeded)."""
 
+import pytest
 import torch
 
 from sparsecorr.correction import sparse_rl
@@ -53,6 +54,7 @@ def test_pruning_saves_generated_tokens():
     assert ratio >= 1.5  # keep 0.5, detect at 1/8 of the length: 32 / (16 + 2) = 1.78
 
 
+@pytest.mark.slow  # ~10-16 s; tests/unit/pruning/test_head.py trains the head in the default suite
 def test_head_beats_chance_on_real_hidden_states():
     """Rewards defined by the model's own continuation (does token 7 appear after the
     detection point?) are predictable from the detection-point hidden state."""

@@ -9,6 +9,7 @@ tau (tau + 0.01): the calibration's 5th percentiles come from a finite sample.
 
 import warnings
 
+import pytest
 import torch
 
 from sparsecorr.decoding import Dense, StreamingLLM, generate, teacher_forced_logprobs
@@ -38,6 +39,7 @@ def _fresh_tails(model, policy, budget, seed):
     return binned_quantile(acc, out.mask, 0.05, bin_size=BIN, offset=out.prompt_lengths, n_bins=BINS)
 
 
+@pytest.mark.slow  # ~50-80 s on 2 cores; the demo's quick run calibrates and fits in the default suite
 def test_fitted_schedule_keeps_tail_above_tau_and_constant_mean_does_not(tmp_path):
     model, policy = _model(), StreamingLLM(sink=1)
     prompts = torch.randint(3, 64, (16, 4), generator=torch.Generator().manual_seed(0))
