@@ -321,8 +321,12 @@ def _study(seeds, *, rescued: bool):
     return rows
 
 
-def _write_study_report(out, rows):
+def _write_study_report(out, rows, monkeypatch):
+    """report.md of synthetic rows (the plots, drawn by test_each_plot_png_is_written, are
+    skipped: they cost seconds and say nothing about the text)."""
     import torch
+
+    monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])
 
     table = SimpleNamespace(budgets=[8, 16], bin_size=8, q=0.05,
                             values=torch.tensor([[0.5, 0.2, float("nan")], [0.99, 0.95, 0.9]]))
@@ -334,12 +338,12 @@ def _write_study_report(out, rows):
 
 
 @pytest.mark.parametrize("rescued", [True, False])
-def test_a_one_seed_report_never_says_resolved(tmp_path, rescued):
+def test_a_one_seed_report_never_says_resolved(tmp_path, monkeypatch, rescued):
     """One seed has no interval: whatever the numbers (here a sampler the correction lifts by
     far more than the margin, and DistillSparse raising tail and reward, or neither), no
     sentence or table of the report calls anything resolved, and it says one seed decides
     nothing."""
-    text = _write_study_report(tmp_path, _study([0], rescued=rescued))
+    text = _write_study_report(tmp_path, _study([0], rescued=rescued), monkeypatch)
     assert "resolved" not in text.lower()
     assert "one seed decides nothing" in text
     assert "| vs one-seed margin |" in text
@@ -349,12 +353,12 @@ def test_a_one_seed_report_never_says_resolved(tmp_path, rescued):
         assert "| 0 | 0.600 | 0.400 | 0.600 | +0.200 |" in text
 
 
-def test_a_multi_seed_report_prints_the_deciding_comparison_per_seed(tmp_path):
+def test_a_multi_seed_report_prints_the_deciding_comparison_per_seed(tmp_path, monkeypatch):
     seeds = list(range(8))
     rows = _study(seeds, rescued=True)
     # an arm outside the claims runs over fewer seeds: the report says which ran over what
     rows = [r for r in rows if r["arm"] != "b8/sparse_rl" or r["seed"] < 3]
-    text = _write_study_report(tmp_path, rows)
+    text = _write_study_report(tmp_path, rows, monkeypatch)
     by = {s["arm"]: s for s in report.summarize(rows)}
     e = report.deciding_effect(by)
     assert (e["sampler"], e["regime"], e["seeds"]) == ("b16", "rescued", seeds)
