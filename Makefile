@@ -38,6 +38,9 @@ COMPILE_TESTS := tests/unit/losses/test_compile.py
 EDGE_LOSS := tests/unit/losses tests/unit/correction tests/unit/mismatch tests/property/losses \
   tests/property/correction tests/property/mismatch tests/integration/verl tests/integration/openrlhf
 EDGE_DECODING := tests/unit/decoding tests/property/decoding
+# the trainer's rollouts on a model TRL prepared (gradient checkpointing, the input-require-grads
+# hook: fused on, nothing alive) and sharded by FSDP2 over gloo, at each end of the torch range
+EDGE_TRAINER := tests/integration/trl/test_rollout_model.py tests/integration/trl/test_fsdp.py
 EDGE_NEWEST := $(EDGE_DECODING) tests/integration/trl/test_sparse_rollouts.py \
   tests/integration/test_demo.py
 # verl 0.9.1's runtime pieces the rollout backend's tests (tests/integration/verl/test_verl_rollout_*)
@@ -50,7 +53,7 @@ VERL_RUNTIME := ray==2.60.0 cachetools==8.0.2 fastapi==0.165.0 uvicorn==0.54.0
 define edge
 	@scripts/lock.sh edge $(1) $(2) "transformers$(3)" $(5)
 	@{ $(1)/bin/python -m pytest -q -m "not gpu and not slow" $(EDGE_LOSS) $(EDGE_DECODING) \
-	     --ignore=$(COMPILE_TESTS) $(PYTEST_ARGS) \
+	     $(EDGE_TRAINER) --ignore=$(COMPILE_TESTS) $(PYTEST_ARGS) \
 	   && $(1)/bin/python -m pytest -q -m "not gpu" $(COMPILE_TESTS) $(PYTEST_ARGS); } || { \
 	  echo "UPSTREAM BREAK: the tests above fail with torch==$(2) and transformers==$$($(1)/bin/python \
 	  -c 'import transformers; print(transformers.__version__)') ($(4)); the locked environment has" \

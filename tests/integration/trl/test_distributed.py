@@ -38,7 +38,8 @@ def _launch(out: Path, loss_type: str, processes: int) -> tuple[list[dict], dict
     return log["rows"], load_file(str(out / "params.safetensors"))
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+# dapo (a second loss type over the same two-process path, ~17 s idle) runs with -m slow
+@pytest.mark.parametrize("loss_type", [pytest.param("dapo", marks=pytest.mark.slow), "grpo"])
 def test_two_processes_equal_one_on_the_same_global_batch(tmp_path, loss_type):
     one_rows, one_params = _launch(tmp_path / "one", loss_type, 1)
     two_rows, two_params = _launch(tmp_path / "two", loss_type, 2)

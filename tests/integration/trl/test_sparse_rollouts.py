@@ -184,6 +184,8 @@ def test_distill_rejects_a_reference_model_setting(tmp_path):
         _trainer(tmp_path, cfg, beta=0.1)
 
 
+@pytest.mark.slow  # ~25 s idle (50 s loaded); the adapter's training path stays in the default run through
+# test_distill_sparse_trains_the_adapter_and_keeps_learner_dense
 def test_adapter_step_lowers_the_sparse_dense_k3_on_a_batch():
     """With zero advantages the adapter loss is lambda * k3: repeated steps on one batch must
     bring the sparse sampler (StreamingLLM, budget 4) + adapter closer to the dense model."""
