@@ -61,7 +61,7 @@ define edge
 	  exit 1; }
 endef
 
-.PHONY: venv lock test test-all test-gpu test-edges test-newest test-lowest test-torch-newest \
+.PHONY: venv lock test test-slow test-all test-gpu test-edges test-newest test-lowest test-torch-newest \
   test-compile test-resolve test-triton demo docs lint bench dist clean
 
 venv: $(STAMP)
@@ -75,6 +75,13 @@ lock:
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu and not resolve" $(PYTEST_ARGS)
+
+# the slow tests no other job runs (CI runs this after `make test`): the kernel-count benchmark's
+# smoke run, graph-step parities, long decodes, the schedule fit, second loss types of the
+# 2-process runs; the release path and the compile tests have jobs of their own
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow and not gpu and not resolve" --ignore=tests/integration/test_release.py \
+	  --ignore=$(COMPILE_TESTS) $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # ~100 s idle (two fused compiles); make test-slow (CI) runs it
 def test_decode_kernel_benchmark_smoke(tmp_path):
     out = tmp_path / "counts.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}

@@ -42,6 +42,7 @@ def test_fused_on_needs_the_graph_step(tmp_path, capsys, model_dir):
     assert "--fused: on compiles the CUDA-graph step" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow  # ~15 s idle; make test-slow (CI) runs it
 def test_auto_takes_graphs_on_a_cuda_model(tmp_path, capsys, model_dir, monkeypatch):
     """The model reports a CUDA device: ``auto`` asks generate for graphs (run on the CPU with
     the eager stand-in runner)."""

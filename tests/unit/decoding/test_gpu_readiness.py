@@ -363,6 +363,7 @@ def test_graph_captures_are_counted_and_timed():
 
 
 # -- finding 1: the GPU tests need no TRL, OpenRLHF or verl -------------------------------------------
+@pytest.mark.slow  # ~10 s idle (a fresh interpreter imports tests/gpu); make test-slow (CI) runs it
 def test_gpu_tests_import_no_rl_framework():
     import subprocess
     from pathlib import Path

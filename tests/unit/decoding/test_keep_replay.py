@@ -85,6 +85,7 @@ def test_bf16_log_probs_under_the_replayed_kept_sets(policy, capsys):
     assert out.kept_sets.agreement(replayed.kept_sets).identical == 1.0  # the replay kept what it was given
 
 
+@pytest.mark.slow  # ~15 s idle; make test-slow (CI) runs it; the eager record/replay tests stay in the default run
 def test_graph_steps_record_the_eager_kept_sets(monkeypatch):
     monkeypatch.setattr(graphs_mod, "CudaGraphRunner", graphs_mod.EagerRunner)
     monkeypatch.setattr(graphs_mod, "check_graph_device", lambda device: None)

@@ -86,7 +86,8 @@ def test_unit_sums_follow_row_selection_and_catch_up():
     torch.testing.assert_close(pool.unit_sum_all.double(), _recomputed(pool, counts), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+# bf16 (~10 s idle) runs in make test-slow (CI); f32 stays in the default run
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)], ids=["f32", "bf16"])
 def test_unit_sums_drift_stays_rounding_over_a_long_decode(monkeypatch, dtype):
     """The evicted-keys route never recomputes the sum, so its rounding accumulates: over ~1,200
     events of a 2,000-step decode (budget 16, buffer 4: every 4 steps a row drops 4 keys) it stays
