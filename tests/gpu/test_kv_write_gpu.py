@@ -6,7 +6,7 @@ check the same kernel under Triton's interpreter."""
 import pytest
 import torch
 
-from sparsecorr.decoding import kv_write as W
+from sparsecorr.decoding.kernels import kv_write as W
 
 pytestmark = pytest.mark.gpu
 

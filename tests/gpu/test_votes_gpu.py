@@ -5,8 +5,8 @@ tests (tests/unit/decoding/test_votes.py) check the same kernel under Triton's i
 import pytest
 import torch
 
+from sparsecorr.decoding.kernels import votes as V
 from sparsecorr.decoding.policies import RKV, SnapKV, compress
-from sparsecorr.decoding.policies import votes as V
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ call: ``C`` (a multiple of the page size) is the most slots a row can hold under
 budget (the engine works it out), and the extra page is a scratch area
 that padding tokens of a ragged chunk are written to. Row ``b``'s valid tokens always occupy
 slots ``[0, count_b)``; a decode step writes each row's token at its own ``count_b`` (an indexed
-write, no ``torch.cat``; K and V in one op, `sparsecorr.decoding.kv_write`), and a compression
+write, no ``torch.cat``; K and V in one op, `sparsecorr.decoding.kernels.kv_write`), and a compression
 event gathers the kept slots of every layer to the front at once (`KVPool.compact_all`: one
 gather and one copy per stacked buffer). Seen as ``[B · H_kv · (C / page + 1), page, D]`` each
 buffer is directly a paged-KV pool for a paged kernel (`sparsecorr.decoding.backends.paged`).
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_write import write_kv
+from .kernels import write_kv
 from .policies.rkv import unit_weights, weighted_key_sum
 
 __all__ = ["KVPool", "ring_order", "ring_slots"]

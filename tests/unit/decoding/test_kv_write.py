@@ -1,4 +1,4 @@
-"""``sparsecorr::write_kv`` (issue 36): a step's K and V written in one op, one Triton kernel on CUDA.
+"""``sparsecorr::write_kv``: a step's K and V written in one op, one Triton kernel on CUDA.
 
 The op's kernel off CUDA is the stock pair of scatters; these tests pin it against a loop, check
 the op's registration (``opcheck``, the meta device, no gradient), that the pool writes through it
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparsecorr.decoding import RKV, BlockTopK, Dense, SnapKV
-from sparsecorr.decoding import kv_write as W
+from sparsecorr.decoding.kernels import kv_write as W
 from sparsecorr.decoding.pool import KVPool
 from tests.models import tiny_model
 from tests.unit.decoding.drive import decode_steps

@@ -1,4 +1,4 @@
-"""``sparsecorr::window_votes`` (issue 36): SnapKV's votes as one op, a fused Triton kernel on CUDA.
+"""``sparsecorr::window_votes``: SnapKV's votes as one op, a fused Triton kernel on CUDA.
 
 The op's kernel off CUDA is the stock chain; these tests pin it against a float64 loop, check
 the op's registration (``opcheck``, the fake kernel on ``meta``, no gradient) and the CUDA
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparsecorr.decoding.kernels import votes as V
 from sparsecorr.decoding.policies import RKV, SnapKV, compress
-from sparsecorr.decoding.policies import votes as V
 from tests.unit.decoding.triton_marks import DEVICE, needs_triton
 
 

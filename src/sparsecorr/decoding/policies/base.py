@@ -20,7 +20,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from .votes import window_votes
+from ..kernels import window_votes
 
 __all__ = ["KVPolicy", "KeepSet", "check_int", "compress", "group_scores", "matmul_f32", "merge_rows",
            "split_rows", "window_votes"]

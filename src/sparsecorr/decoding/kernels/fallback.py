@@ -1,7 +1,7 @@
 """The fallback every fused CUDA kernel of the engine shares.
 
-The engine's fused kernels (`sparsecorr.decoding.kv_write`, `sparsecorr.decoding.policies.votes`)
-are Triton kernels registered as the CUDA kernel of a custom op whose default kernel is the
+The engine's fused kernels (`sparsecorr.decoding.kernels.kv_write`,
+`sparsecorr.decoding.kernels.votes`) are Triton kernels registered as the CUDA kernel of a custom op whose default kernel is the
 stock chain of aten ops, so no code of ours branches on the device. Triton ships with CUDA builds
 of torch, but a kernel can still fail where it runs (no Triton, a compiler that rejects it):
 `fused_or_stock` then warns once, remembers the error, and runs the stock chain from then on,

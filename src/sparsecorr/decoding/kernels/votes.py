@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from ..kernels import fused_or_stock
+from .fallback import fused_or_stock
 
 __all__ = ["votes_reference", "window_votes"]
 

@@ -9,8 +9,8 @@ With stock ops that is two ``scatter_`` kernels per layer (K and V are separate 
 layer's K is one contiguous ``[B, H_kv, C + page, D]`` block, as the paged kernels read it, and
 a stacked ``[2, ...]`` source would cost a copy of its own). In a decode step, where every
 launch costs about 2.5 µs even inside a CUDA graph and the write moves a few KB, the second
-launch is pure overhead (issue 36: "K and V are written in one op where the layout allows"). So
-the write is the custom op ``sparsecorr::write_kv``:
+launch is pure overhead. So K and V are written in one op, the custom op
+``sparsecorr::write_kv``:
 
 - on every device its kernel is the stock pair of scatters (`write_kv_reference`): the CPU, the
   meta device and any other backend run exactly the ops they ran before;
@@ -18,7 +18,7 @@ the write is the custom op ``sparsecorr::write_kv``:
   of ``BLOCK_Q`` tokens) loads the block's slots once and copies the block's K rows and V rows
   (any input strides: the value states arrive as a transposed view of the projection);
 - where Triton is missing or the kernel fails, it warns once and runs the stock pair
-  (`sparsecorr.decoding.kernels.fused_or_stock`).
+  (`sparsecorr.decoding.kernels.fallback.fused_or_stock`).
 
 A slot is written once per forward, except the scratch page's (padding tokens of a ragged chunk
 may share a scratch slot, which is never read): there either kernel leaves one of the tokens.
@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from .kernels import fused_or_stock
+from .fallback import fused_or_stock
 
 __all__ = ["write_kv", "write_kv_reference", "write_kv_triton"]
 
