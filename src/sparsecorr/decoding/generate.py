@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import graphs
-from .backends import get_backend
+from .backends import select_backend
 from .cache import ATTN_NAME, active_cache
 from .engine import Engine, pool_capacity
 from .hf import check_transformers, eval_modules, model_spec, sparse_attention
@@ -79,14 +79,15 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
          grad=False, cuda_graph=False, fused=False, topk_requested=None, record_keep=False, keep_sets=None) -> RolloutBatch:
     """Decode (or replay ``forced``) the non-empty rows; empty prompts get blank rows."""
     check_transformers()
-    model_spec(model)  # refuses an attention variant up front, even for an empty batch
+    spec = model_spec(model)  # refuses an attention variant up front, even for an empty batch
     param = next(model.parameters())
     device = param.device
     b_all, t_max = ids.shape[0], max_new_tokens
     live = (lens > 0).nonzero().squeeze(1)
-    back = get_backend(backend, device=device, dtype=param.dtype)
+    back, backend_label = select_backend(backend, device=device, dtype=param.dtype, head_dim=spec.head_dim,
+                                         group_size=spec.heads_q // spec.heads_kv)
     budget_table(budget, dense=policy.kind == "dense", longest=0)  # checked even for an empty batch
-    base = dict(budget=budget, samp=samp, backend_name=back.name, prefill_chunk=prefill_chunk,
+    base = dict(budget=budget, samp=samp, backend_name=backend_label, prefill_chunk=prefill_chunk,
                 logprobs_topk=samp.k, logprobs_topk_requested=topk_requested)
     if live.numel() == 0:
         return RolloutBatch(**blank_fields(b_all, t_max, samp.k, prompt_lengths=lens),
@@ -196,7 +197,8 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
             ``topk_logp`` then has V columns, and ``meta["logprobs_topk"]`` records the k used,
             ``meta["logprobs_topk_requested"]`` the k asked for.
         eos_token_id: stop a row after it samples one of these.
-        backend: ``"auto"`` (FlashInfer on CUDA when installed, else ``"torch"``), ``"torch"``
+        backend: ``"auto"`` (FlashInfer on CUDA when installed and its kernels support the
+            model's head_dim and dtype, else ``"torch"``, with the reason in ``meta["backend"]``), ``"torch"``
             (SDPA in the model's dtype), ``"reference"`` (float32 oracle), ``"flashinfer"``, or a
             backend object.
         generator: RNG for sampling (seeded runs are reproducible).

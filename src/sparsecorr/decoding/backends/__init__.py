@@ -19,6 +19,7 @@ __all__ = [
     "TorchBackend",
     "choose_backend",
     "get_backend",
+    "select_backend",
 ]
 
 NAMES = ("auto", "torch", "reference", "flashinfer")
@@ -36,44 +37,89 @@ def choose_backend(name: str, *, device: torch.device | str, flashinfer_ok: bool
     return "flashinfer" if torch.device(device).type == "cuda" and flashinfer_ok else "torch"
 
 
-def get_backend(name: str | AttentionBackend = "auto", *, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
-    """A backend by name for a model on ``device`` (an object with ``attend`` is returned as is).
+def _auto(device: torch.device, dtype: torch.dtype, head_dim: int | None,
+          group_size: int | None) -> tuple[AttentionBackend, str]:
+    """``"auto"``: FlashInfer where it can run and supports the model, else the torch backend
+    with the reason in its label (bare ``"torch"`` off CUDA, where nothing needs saying)."""
+    from .flashinfer import dtype_unsupported, flashinfer_status, flashinfer_supports
 
-    ``"auto"`` picks ``"flashinfer"`` on CUDA when ``flashinfer-python`` is installed and
-    ``"torch"`` otherwise; if FlashInfer is installed but cannot be imported (a broken or
-    partial install), ``"auto"`` falls back to ``"torch"`` and warns once, naming the error.
-    ``"flashinfer"`` raises `BackendUnavailableError` saying what is missing (no CUDA, no
-    package) rather than falling back silently.
-    """
-    if not isinstance(name, str) and hasattr(name, "attend"):
-        return name
-    from .flashinfer import flashinfer_status
+    if device.type != "cuda":
+        return TorchBackend(), "torch"
+    if not flashinfer_status()[0]:
+        return TorchBackend(), "torch (auto: flashinfer-python is not installed)"
+    if head_dim is None:  # no model shape given: the dtype alone decides
+        why = dtype_unsupported(dtype)
+    else:
+        why = flashinfer_supports(head_dim=head_dim, dtype=dtype, group_size=1 if group_size is None else group_size)
+    if why is not None:
+        return TorchBackend(), f"torch (auto: {why})"
+    from .flashinfer import flashinfer_backend
 
-    half = dtype in (torch.bfloat16, torch.float16)
-    ok = torch.device(device).type == "cuda" and half and flashinfer_status()[0]
-    resolved = choose_backend(name, device=device, flashinfer_ok=ok)
-    if resolved == "torch":
-        return TorchBackend()
-    if resolved == "reference":
-        return ReferenceBackend()
-    from .flashinfer import BackendUnavailableError, flashinfer_backend
+    try:
+        return flashinfer_backend(), "flashinfer"
+    except Exception as exc:
+        msg = f"{type(exc).__name__}: {exc}"
+        if msg not in _AUTO_WARNED:
+            _AUTO_WARNED.add(msg)
+            warnings.warn(f"backend='auto': FlashInfer is installed but failed to load ({msg}); "
+                          "using backend='torch'", RuntimeWarning, stacklevel=4)
+        return TorchBackend(), f"torch (auto: FlashInfer failed to load: {msg})"
 
-    if name == "auto":
-        try:
-            return flashinfer_backend()
-        except Exception as exc:
-            msg = f"{type(exc).__name__}: {exc}"
-            if msg not in _AUTO_WARNED:
-                _AUTO_WARNED.add(msg)
-                warnings.warn(f"backend='auto': FlashInfer is installed but failed to load ({msg}); "
-                              "using backend='torch'", RuntimeWarning, stacklevel=2)
-            return TorchBackend()
+
+def _flashinfer(device: torch.device, dtype: torch.dtype, head_dim: int | None,
+                group_size: int | None) -> AttentionBackend:
+    """``"flashinfer"`` asked for by name: never a silent fallback."""
+    from .flashinfer import BackendUnavailableError, flashinfer_backend, flashinfer_supports
+
     backend = flashinfer_backend()  # raises when CUDA or the package is missing
-    if torch.device(device).type != "cuda":
+    if device.type != "cuda":
         raise BackendUnavailableError(f"backend='flashinfer': the model is on {device}; move it to a "
                                       "CUDA device or use backend='torch'")
-    if not half:
+    if dtype not in (torch.bfloat16, torch.float16):
         raise BackendUnavailableError(f"backend='flashinfer': its kernels take bf16 or fp16, the model is "
                                       f"{dtype}; use backend='torch'")
+    if head_dim is not None:
+        why = flashinfer_supports(head_dim=head_dim, dtype=dtype, group_size=1 if group_size is None else group_size)
+        if why is not None:
+            raise ValueError(f"backend='flashinfer': {why}; use backend='torch' (or 'auto')")
     return backend
+
+
+def select_backend(name: str | AttentionBackend = "auto", *, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.bfloat16, head_dim: int | None = None,
+                   group_size: int | None = None) -> tuple[AttentionBackend, str]:
+    """A backend for a model on ``device`` and the label ``generate`` records in
+    ``RolloutBatch.meta["backend"]``.
+
+    ``"auto"`` picks ``"flashinfer"`` on CUDA where ``flashinfer-python`` is installed and its
+    kernels support the model (`flashinfer_supports`: ``head_dim`` in 64 / 128 / 256, bf16 or
+    fp16, any GQA ``group_size``), else ``"torch"``; on CUDA the label then says why, e.g.
+    ``"torch (auto: FlashInfer does not support head_dim 16 (its kernels are built for 64, 128,
+    256))"`` (off CUDA it is the bare ``"torch"``). If FlashInfer is installed but cannot be
+    imported (a broken or partial install), ``"auto"`` falls back to ``"torch"`` and warns once,
+    naming the error. ``"flashinfer"`` raises `BackendUnavailableError` saying what is missing (no
+    CUDA, no package, not bf16 / fp16) and `ValueError` for a ``head_dim`` or ``group_size`` its
+    kernels are not built for, rather than falling back. Without ``head_dim`` (a caller that does
+    not know the model's shape) the shape is not checked. A backend object (anything with
+    ``attend``) is returned as is, labelled by its ``name``.
+    """
+    if not isinstance(name, str) and hasattr(name, "attend"):
+        return name, getattr(name, "name", type(name).__name__)
+    dev = torch.device(device)
+    resolved = choose_backend(name, device=dev, flashinfer_ok=True)  # checks the name
+    if name == "auto":
+        return _auto(dev, dtype, head_dim, group_size)
+    if resolved == "torch":
+        return TorchBackend(), "torch"
+    if resolved == "reference":
+        return ReferenceBackend(), "reference"
+    backend = _flashinfer(dev, dtype, head_dim, group_size)
+    return backend, backend.name
+
+
+def get_backend(name: str | AttentionBackend = "auto", *, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.bfloat16, head_dim: int | None = None,
+                group_size: int | None = None) -> AttentionBackend:
+    """A backend by name for a model on ``device`` (an object with ``attend`` is returned as is):
+    `select_backend` without the label."""
+    return select_backend(name, device=device, dtype=dtype, head_dim=head_dim, group_size=group_size)[0]

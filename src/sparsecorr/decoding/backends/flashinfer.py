@@ -26,11 +26,15 @@ import torch
 from .paging import PageTable
 
 __all__ = [
+    "FLASHINFER_DTYPES",
+    "FLASHINFER_HEAD_DIMS",
     "INSTALL_HINT",
     "BackendUnavailableError",
     "FlashInferDecode",
+    "dtype_unsupported",
     "flashinfer_backend",
     "flashinfer_status",
+    "flashinfer_supports",
     "float_workspace",
     "needs_tensor_cores",
     "require_flashinfer",
@@ -38,6 +42,14 @@ __all__ = [
 
 INSTALL_HINT = "pip install 'sparsecorr[flashinfer]'"
 _CUDA_CORE_GROUP_SIZES = (1, 2, 4, 8)
+# What the pinned flashinfer-python (0.7.x) builds its paged decode / prefill kernels for: the head
+# dims of its AOT build (``flashinfer/aot.py``, ``get_default_config``: ``fa2_head_dim`` (64, 64),
+# (128, 128), (256, 256); head_dim 512 is left out of the prebuilt wheel) and of the
+# ``DISPATCH_HEAD_DIM`` switch of ``include/flashinfer/utils.cuh`` that the merge-states kernel of
+# a split-KV decode goes through ("Unsupported head_dim: 16"); and its 16-bit dtypes
+# (``f16_dtype``: float16, bfloat16; the fp8 KV variants take a 16-bit query, not used here).
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 _WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -80,6 +92,33 @@ def require_flashinfer() -> ModuleType:
     return importlib.import_module("flashinfer")
 
 
+def dtype_unsupported(dtype: torch.dtype) -> str | None:
+    """``None`` for a dtype FlashInfer's kernels take (`FLASHINFER_DTYPES`), else the reason."""
+    if dtype in FLASHINFER_DTYPES:
+        return None
+    return f"FlashInfer does not support dtype {dtype} (its kernels take torch.bfloat16 or torch.float16)"
+
+
+def flashinfer_supports(*, head_dim: int, dtype: torch.dtype, group_size: int) -> str | None:
+    """Whether FlashInfer's paged decode kernels are built for a model of this shape: ``None`` if
+    they are, else the reason, naming the field, what FlashInfer takes and what was given.
+
+    ``head_dim`` must be one of `FLASHINFER_HEAD_DIMS`, ``dtype`` one of `FLASHINFER_DTYPES`;
+    any positive GQA ``group_size`` runs (sizes without a CUDA-core decode kernel take the
+    tensor-core one, `needs_tensor_cores`). A pure check of the request: it imports nothing and
+    does not look at the device.
+    """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in FLASHINFER_HEAD_DIMS:
+        dims = ", ".join(map(str, FLASHINFER_HEAD_DIMS))
+        return f"FlashInfer does not support head_dim {head_dim!r} (its kernels are built for {dims})"
+    if dtype_unsupported(dtype):
+        return dtype_unsupported(dtype)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        return (f"FlashInfer does not support group_size {group_size!r} (query heads per KV head: "
+                "a positive int)")
+    return None
+
+
 def needs_tensor_cores(group_size: int) -> bool:
     """True for GQA group sizes without a CUDA-core decode kernel (use the tensor-core path)."""
     return group_size not in _CUDA_CORE_GROUP_SIZES
@@ -91,7 +130,7 @@ class FlashInferDecode:
     Args:
         device: a CUDA device.
         group_size: query heads per KV head (GQA group, e.g. 7 for 28/4).
-        head_dim: head dimension (64 or 128).
+        head_dim: head dimension (64, 128 or 256: `flashinfer_supports`).
         workspace_bytes: FlashInfer's float workspace (128 MiB default, as its examples); one per
             device and size, shared by every instance (`float_workspace`).
         use_tensor_cores: force the tensor-core kernel; default: `needs_tensor_cores`.
