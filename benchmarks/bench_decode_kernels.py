@@ -73,9 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import machine, setup, table
 
 from sparsecorr.decoding import RKV, BlockTopK, Dense, SnapKV, StreamingLLM, generate
-from sparsecorr.decoding.kv_write import write_kv_reference
+from sparsecorr.decoding.kernels import votes_reference, write_kv_reference
 from sparsecorr.decoding.policies import compress
-from sparsecorr.decoding.policies.votes import votes_reference
 from tests.models import tiny_model
 
 # ops that launch no kernel: allocations, metadata, aliasing (views are detected from the schema)
