@@ -69,6 +69,24 @@ class Step:
     gather: tuple | None = None  # a single-token selection's bias, k, gather offsets and mask (first sparse layer)
 
 
+@dataclass(frozen=True)
+class _UnitSumUpdate:
+    """How a compression event brings R-KV's unit-key sums up to date (every layer it compacts).
+
+    ``drop``: subtract the evicted keys' unit sum (gathered: about 3 reads and writes of each key)
+    when that touches fewer keys than re-summing the kept ones, which runs otherwise.
+
+    Shapes:
+        counts ``[B]`` device long: the valid slots per row after the event; low: their host
+        minimum; evicted: the most keys a row evicts (host).
+    """
+
+    counts: torch.Tensor
+    low: int
+    evicted: int
+    drop: bool
+
+
 class SparseKVCache(CacheBase):
     """Writes into a [`KVPool`][sparsecorr.decoding.pool.KVPool] per the engine's ``Step``."""
 
@@ -198,11 +216,12 @@ class SparseKVCache(CacheBase):
         after = None
         if pool.unit_sum_all is not None:  # R-KV's unit-key sums (stacked pool: one group of every layer)
             pool.sync_unit_sums(counts, low=int(counts_host.min()), high=s)  # up to this event's counts
-            after = torch.minimum(counts_host, budgets_host)  # the valid slots per row after it
+            left = torch.minimum(counts_host, budgets_host)  # the valid slots per row after it
             # drop the evicted keys' unit sum (gathered: ~3 reads / writes of each) or sum the
             # kept keys (one read), whichever touches fewer keys
-            evicted = int((counts_host - after).max())
-            after = (after.to(dev, non_blocking=True), int(after.min()), evicted if 3 * evicted < top else -1)
+            evicted = int((counts_host - left).max())
+            after = _UnitSumUpdate(counts=left.to(dev, non_blocking=True), low=int(left.min()), evicted=evicted,
+                                   drop=3 * evicted < top)
         kept = [self._compress_layers(range(lo, min(lo + group, n)), s=s, top=top, budgets=budgets, counts=counts,
                                       query_valid=query_valid, forced=forced, due=due, record=record, order=order,
                                       after=after)
@@ -210,13 +229,11 @@ class SparseKVCache(CacheBase):
         return torch.cat(kept, 1) if record else None
 
     def _compress_layers(self, layers: range, *, s: int, top: int, budgets, counts, query_valid, forced, due,
-                         record: bool, order, after=None) -> torch.Tensor | None:
+                         record: bool, order, after: _UnitSumUpdate | None = None) -> torch.Tensor | None:
         """Score, keep and compact ``layers`` in one `compress` call: the layers are stacked along
         the batch axis (``[n·B, ...]``, layer-major; each (row, head) is scored and kept on its
         own, so nothing mixes layers). Returns the kept positions ``[B, n, H_kv, K]`` if
-        ``record``. ``after`` (R-KV's pool, every layer in this call): the valid slots per row
-        after the event (device), their host minimum, and the most keys a row evicts (host; -1:
-        sum the kept keys instead), for the pool's unit-key sums."""
+        ``record``. ``after`` (R-KV's pool): how the pool's unit-key sums follow the event."""
         pool, n, lo, hi = self.pool, len(layers), layers.start, layers.stop
         b, h = pool.pos_all.shape[1:3]
         valid = (torch.arange(s, device=counts.device) < counts.repeat(n)[:, None])[:, None, :].expand(n * b, h, s)
@@ -243,12 +260,12 @@ class SparseKVCache(CacheBase):
         if record:
             kept = torch.where(keep.valid, positions.gather(-1, keep.index), -1).reshape(n, b, h, -1).transpose(0, 1)
         index, kept_valid = keep.index.reshape(n, b, h, -1), keep.valid.reshape(n, b, h, -1)
-        if after is not None and after[2] >= 0:
-            pool.drop_unit_sums(valid.reshape(n, b, h, s), index, kept_valid, evicted=after[2], counts=after[0],
-                                low=after[1])
+        if after is not None and after.drop:
+            pool.drop_unit_sums(valid.reshape(n, b, h, s), index, kept_valid, evicted=after.evicted,
+                                counts=after.counts, low=after.low)
         pool.compact_all(index, lo)
-        if after is not None and after[2] < 0:
-            pool.keep_unit_sums(kept_valid, after[0], low=after[1])
+        if after is not None and not after.drop:
+            pool.keep_unit_sums(kept_valid, after.counts, low=after.low)
         return kept
 
 
