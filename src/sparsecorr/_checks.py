@@ -37,6 +37,7 @@ __all__ = [
     "field",
     "finite",
     "finite_in",
+    "is_int",
 ]
 
 
@@ -139,13 +140,12 @@ def finite_in(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask & torch.isfinite(x.detach())
 
 
-# -- scalar, integer-tensor and file-field checks (issue #14: validation before any work) ------
-# Added together at the end of the module; the helpers above keep their behaviour.
+# -- scalar, integer-tensor and file-field checks (validation before any work) -------------------
 
 _MISSING = object()
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     """A Python or numpy integer, not a bool."""
     if type(value) is int:  # the common case without the ABC check (a few µs on a hot path)
         return True
@@ -167,7 +167,7 @@ def check_int(name: str, value: object, *, low: int | None = None, high: int | N
     """
     if value is None and allow_none:
         return
-    ok = _is_int(value) and (low is None or value >= low) and (high is None or value <= high)
+    ok = is_int(value) and (low is None or value >= low) and (high is None or value <= high)
     if not ok:
         if low is not None and high is not None:
             expected = f"an int in [{low:,}, {high:,}]"
@@ -203,10 +203,12 @@ def check_advantages(advantages: object, like: torch.Tensor, *, column: bool = T
 
 
 def check_number(name: str, value: object, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, high_open: bool = False, allow_none: bool = False) -> None:
+                 low_open: bool = False, high_open: bool = False, allow_none: bool = False,
+                 why: str = "") -> None:
     """Raise unless ``value`` is a finite real number (not a bool) within the given bounds.
 
-    NaN and ±inf are always refused; ``low_open``/``high_open`` make the bounds strict.
+    NaN and ±inf are always refused; ``low_open``/``high_open`` make the bounds strict. ``why`` is
+    appended to the message (e.g. what a bound means).
     """
     if value is None and allow_none:
         return
@@ -226,7 +228,7 @@ def check_number(name: str, value: object, *, low: float | None = None, high: fl
             expected = "a finite number"
         if allow_none:
             expected += " or None"
-        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+        raise ValueError(f"{name}: expected {expected}{why}, got {value!r}")
 
 
 def check_levels(name: str, q: object) -> list[float]:
@@ -271,7 +273,7 @@ def check_dim(name: str, dim: object, ndim: int, *, allow_none: bool = False) ->
     """``dim`` normalised to ``[0, ndim)``; refuses out-of-range dims (instead of wrapping)."""
     if dim is None and allow_none:
         return None
-    if not _is_int(dim) or not -ndim <= dim < ndim:  # type: ignore[operator]
+    if not is_int(dim) or not -ndim <= dim < ndim:  # type: ignore[operator]
         extra = " or None" if allow_none else ""
         raise ValueError(f"{name}: expected an int in [{-ndim}, {ndim - 1}]{extra} "
                          f"for a {ndim}-dim input, got {dim!r}")
@@ -293,7 +295,7 @@ def field(data: object, key: str, *, where: str, kind: str, default: object = _M
         raise ValueError(f"{label}: missing")
     value = data[key]
     ok = {
-        "int": _is_int,
+        "int": is_int,
         "number": lambda v: _is_real(v) and math.isfinite(v),
         "str": lambda v: isinstance(v, str),
         "list": lambda v: isinstance(v, list),

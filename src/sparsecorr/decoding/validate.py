@@ -6,32 +6,21 @@ given (sparsecorr's contract; see the guarantees in the decoding guide).
 
 from __future__ import annotations
 
-import math
-from numbers import Integral
-
 import torch
 
+from .._checks import check_int, check_number, is_int
 from .hf import config_vocab_size
 from .policies import KVPolicy
 
 __all__ = ["budget_table", "check_run_args", "check_sampling", "check_token_ids", "clamp_topk", "vocab_size"]
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
-
-
 def check_sampling(*, temperature: object, top_k: object, top_p: object) -> None:
     """``temperature`` finite >= 0 (0 = greedy); ``top_k`` None or an int >= 1; ``top_p`` None
     or a number in (0, 1] (1 = no truncation)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature: expected a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
-        raise ValueError(f"top_k: expected None (no truncation) or an int >= 1, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not 0 < top_p <= 1):
-        raise ValueError(f"top_p: expected None or a number in (0, 1] (1 = no truncation), got {top_p!r}")
+    check_number("temperature", temperature, low=0, why=" (0 = greedy)")
+    check_int("top_k", top_k, low=1, allow_none=True, why=" (None = no truncation)")
+    check_number("top_p", top_p, low=0, high=1, low_open=True, allow_none=True, why=" (1 = no truncation)")
 
 
 def vocab_size(model) -> int:
@@ -86,15 +75,12 @@ def check_run_args(*, policy: object, max_new_tokens: object, logprobs_topk: obj
     """The non-tensor arguments shared by ``generate`` and ``teacher_forced_logprobs``."""
     if not isinstance(policy, KVPolicy):
         raise ValueError(f"policy: expected a KVPolicy (Dense(), RKV(), ...), got {type(policy).__name__}")
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
-    if not _is_int(logprobs_topk) or logprobs_topk < 0:
-        raise ValueError(f"logprobs_topk: expected an int >= 0 (0 = none), got {logprobs_topk!r}")
-    ids = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
-    if eos_token_id is not None and (not isinstance(ids, (list, tuple, set)) or not all(_is_int(x) for x in ids)):
+    check_int("max_new_tokens", max_new_tokens, low=1)
+    check_int("logprobs_topk", logprobs_topk, low=0, why=" (0 = none)")
+    ids = [eos_token_id] if is_int(eos_token_id) else eos_token_id
+    if eos_token_id is not None and (not isinstance(ids, (list, tuple, set)) or not all(is_int(x) for x in ids)):
         raise ValueError(f"eos_token_id: expected None, an int or a list of ints, got {eos_token_id!r}")
-    if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk: expected None (whole prompt) or an int >= 1, got {prefill_chunk!r}")
+    check_int("prefill_chunk", prefill_chunk, low=1, allow_none=True, why=" (None = the whole prompt)")
 
 
 def budget_table(budget: object, *, dense: bool, longest: int) -> torch.Tensor:
@@ -105,7 +91,7 @@ def budget_table(budget: object, *, dense: bool, longest: int) -> torch.Tensor:
     """
     if dense or budget is None:
         return torch.full((longest + 1,), -1, dtype=torch.long)
-    if _is_int(budget):
+    if is_int(budget):
         if budget < 1:
             raise ValueError(f"budget: expected a positive int, None or a schedule, got {budget!r}")
         return torch.full((longest + 1,), int(budget), dtype=torch.long)
@@ -113,7 +99,7 @@ def budget_table(budget: object, *, dense: bool, longest: int) -> torch.Tensor:
         raise ValueError(f"budget: expected an int or an object with budget_at(context_len), got "
                          f"{type(budget).__name__}")
     vals = [budget.budget_at(c) for c in range(longest + 1)]
-    bad = [v for v in vals if v is not None and (not _is_int(v) or v < 1)]
+    bad = [v for v in vals if v is not None and (not is_int(v) or v < 1)]
     if bad:
         raise ValueError(f"budget: budget_at must return None or an int >= 1, got {bad[0]!r}")
     return torch.tensor([-1 if v is None else int(v) for v in vals], dtype=torch.long)

@@ -20,6 +20,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from ..._checks import check_int as _check_int
 from ..kernels import window_votes
 
 __all__ = ["KVPolicy", "KeepSet", "check_int", "compress", "group_scores", "matmul_f32", "merge_rows",
@@ -29,9 +30,9 @@ Kind = Literal["dense", "eviction", "selection"]
 
 
 def check_int(name: str, value: object, *, minimum: int) -> None:
-    """Raise a ``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) >= ``minimum``
+    (a policy field; `sparsecorr._checks.check_int`)."""
+    _check_int(name, value, low=minimum)
 
 
 @dataclass(frozen=True)
