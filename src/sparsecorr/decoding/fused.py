@@ -1,8 +1,8 @@
 r"""The fused decode step: the captured step's model forward through ``torch.compile``.
 
 A Qwen3 decode step in eager mode launches about 53 kernels per layer that are HF's own
-(RMSNorm x4 = 32, rotary 10, GEMMs 7, SiLU·mul and residual adds 4; `../shared/gpu`'s H100
-profile), and inside a CUDA graph each still costs ~2.5 µs. With ``fused`` on, the CUDA-graph
+(RMSNorm x4 = 32, rotary 10, GEMMs 7, SiLU·mul and residual adds 4, in an H100 profile),
+and inside a CUDA graph each still costs ~2.5 µs. With ``fused`` on, the CUDA-graph
 step (`sparsecorr.decoding.graphs`) runs the model's forward as compiled by inductor, so those
 elementwise chains become a few generated kernels per layer; the GEMMs stay extern (cuBLAS /
 mkldnn) calls.
