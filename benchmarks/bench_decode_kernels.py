@@ -31,6 +31,13 @@ so this benchmark counts, on the CPU, the kernel-launching aten ops one step dis
   compaction is also counted alone (one layer; four layers in one ``compact_all``).
 - **on CUDA** (when one is present) the same decode step under ``torch.profiler``: kernels per
   step (``--cuda``).
+- **the compression events of one ``generate`` call** per eviction policy, in the GPU table's
+  order and then again (StreamingLLM, SnapKV, RKV, SnapKV, RKV in one process): how many events,
+  the valid slots before each, each event's seconds, the decode ms/token (capture excluded) and
+  the graph captures / dynamo graphs of the call. It tells apart a policy that compresses more
+  often, one whose events cost more, and one that pays a one-time cost (its first call slower
+  than its second). ``--schedule-only`` runs this part alone; with ``--cuda`` at the GPU table's
+  32k cell (Qwen3-0.6B's shape, B=8, budget 2048, CUDA graphs).
 
 - **the fused step** (``generate(..., cuda_graph=True, fused=True)``, `sparsecorr.decoding.fused`):
   the captured step's forward compiled by inductor (its C++ backend here; Triton on CUDA). Its
@@ -50,7 +57,7 @@ Targets (issue 36): ours per layer <= 5 Dense, <= 4 StreamingLLM, <= 5 SnapKV an
 <= 10 BlockTopK; the fused step <= 16 launches per layer for the eviction policies (BlockTopK
 reported); one RKV compression <= 25 kernels and <= 4x the bf16 keys' bytes.
 
-Run: ``python benchmarks/bench_decode_kernels.py [--smoke] [--json PATH] [--cuda]``. It only uses
+Run: ``python benchmarks/bench_decode_kernels.py [--smoke] [--json PATH] [--cuda] [--schedule-only]``. It only uses
 ``sparsecorr.decoding``'s public API, so the same script measures an older checkout
 (``PYTHONPATH=<checkout>/src``).
 """
@@ -518,6 +525,90 @@ def compress_table(smoke: bool) -> list[dict]:
     return rows
 
 
+# -- compression events of a generate call, in the GPU table's order --------------------------------
+
+SCHEDULE_ORDER = ("StreamingLLM", "SnapKV", "RKV", "SnapKV", "RKV")  # the GPU table's order, then again
+
+
+def _spied_compress(events: list, device: torch.device):
+    """`SparseKVCache.compress` wrapped: each event's valid slots before it (the longest row) and
+    its seconds (synchronised before and after on CUDA) are appended to ``events``."""
+    from sparsecorr.decoding.cache import SparseKVCache
+
+    real = SparseKVCache.compress
+
+    def spy(self, budgets, counts, *args, **kw):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = real(self, budgets, counts, *args, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        events.append((int(counts.max()), time.perf_counter() - t0))
+        return out
+
+    return SparseKVCache, real, spy
+
+
+def event_schedule(smoke: bool, *, cuda: bool = False) -> list[dict]:
+    """One process, the eviction policies in `SCHEDULE_ORDER` at the GPU table's proportions
+    (budget, buffer 128, 144 new tokens; the prompt longer than budget + buffer): per ``generate``
+    call, its compression events (valid slots before each: the prefill's, then the decode's at
+    budget + buffer), each event's seconds, the decode seconds per token after the first
+    (capture excluded, as ``bench_decoding_gpu``) and the graph captures and dynamo graphs
+    compiled during the call. A policy whose first call is slower per token than its second
+    (same shape, same process) pays a one-time cost in its timed window. CPU: the 2-layer tiny
+    model, eager; ``cuda``: Qwen3-0.6B's shape, B=8, 32k context, budget 2048, CUDA graphs (the
+    cell of the GPU table)."""
+    from torch._dynamo.utils import counters
+
+    if cuda:  # pragma: no cover - needs CUDA
+        from bench_decoding_gpu import build
+
+        device, model = torch.device("cuda"), build("qwen3-0.6b", torch.device("cuda"), torch.bfloat16)
+        batch, prompt, budget, buffer, new = 8, 32768, 2048, 128, 144
+        warm = torch.randint(5, 100, (2, 32), device=device)  # as bench_decoding_gpu's warm-up
+        generate(model, warm, policy=RKV(buffer=8), budget=16, max_new_tokens=3)
+    else:
+        device, model = torch.device("cpu"), _model(2, smoke)
+        batch, prompt, budget, buffer, new = (2, 48, 16, 8, 24) if smoke else (2, 640, 256, 128, 144)
+    make = {"StreamingLLM": StreamingLLM, "SnapKV": SnapKV, "RKV": RKV}
+    ids = torch.randint(5, 100, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)
+    rows = []
+    for name in SCHEDULE_ORDER:
+        events: list = []
+        cls, real, spy = _spied_compress(events, device)
+        graphs = counters["stats"]["unique_graphs"]
+        cls.compress = spy
+        try:
+            out = generate(model, ids, policy=make[name](buffer=buffer), budget=budget, max_new_tokens=new,
+                           temperature=0, logprobs_topk=0, cuda_graph=cuda)
+        finally:
+            cls.compress = real
+        meta = out.meta
+        rows.append({"policy": name, "events": [n for n, _ in events], "event_s": [round(t, 4) for _, t in events],
+                     "ms_per_token": 1e3 * (meta["decode_s"] - meta.get("capture_s", 0.0)) / (new - 1),
+                     "captures": meta.get("graph_captures", 0), "capture_s": meta.get("capture_s", 0.0),
+                     "dynamo_graphs": counters["stats"]["unique_graphs"] - graphs, "backend": meta["backend"],
+                     "device": str(device), "shape": dict(batch=batch, prompt=prompt, budget=budget, buffer=buffer,
+                                                          new=new)})
+    return rows
+
+
+def print_schedule(rows: list[dict] | None) -> None:
+    if not rows:
+        return
+    sh = rows[0]["shape"]
+    print(f"\n## compression events of one generate call, in the GPU table's order (one process, "
+          f"{rows[0]['device']}, B={sh['batch']}, prompt {sh['prompt']}, budget {sh['budget']}, buffer "
+          f"{sh['buffer']}, {sh['new']} new tokens)\n")
+    print(table(["policy", "events", "valid slots before each", "seconds of each", "decode ms/token",
+                 "graph captures", "dynamo graphs compiled"],
+                [[r["policy"], len(r["events"]), " ".join(map(str, r["events"])),
+                  " ".join(f"{t:.3f}" for t in r["event_s"]), f"{r['ms_per_token']:.2f}", r["captures"],
+                  r["dynamo_graphs"]] for r in rows]))
+
+
 # -- CUDA: torch.profiler kernels per step ----------------------------------------------------------
 
 def cuda_kernels_per_step(smoke: bool) -> list[dict]:  # pragma: no cover - needs CUDA
@@ -586,6 +677,7 @@ def print_tables(result: dict) -> None:
               f"{_fmt(sel['per_layer'])} ops per sparse layer rank the pages and write them into the kernel's table ("
               + ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(sel["where"].items())) + ")")
     print_fused(result.get("fused"))
+    print_schedule(result.get("schedule"))
     print("\n## our per-layer ops by function\n")
     for r in result["step"]:
         parts = sorted(((v, k) for k, v in r["per_layer_where"].items() if k.startswith("ours")), reverse=True)
@@ -641,11 +733,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, help="write the counts as JSON here")
     ap.add_argument("--cuda", action="store_true", help="also profile kernels per step on CUDA")
     ap.add_argument("--no-fused", action="store_true", help="skip the fused step's rows (they compile 10 models)")
+    ap.add_argument("--schedule-only", action="store_true",
+                    help="only the compression events per generate call (with --cuda: the GPU table's 32k cell)")
     args = ap.parse_args(argv)
     setup(2)
     torch.manual_seed(0)
+    if args.schedule_only:
+        result = {"smoke": args.smoke, "schedule": event_schedule(args.smoke, cuda=args.cuda and torch.cuda.is_available())}
+        print(f"# decode kernel counts ({machine()}{', smoke' if args.smoke else ''})")
+        print_schedule(result["schedule"])
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1, default=str))
+        return result
     result = {"smoke": args.smoke, "step": step_table(args.smoke), "paged_selection": paged_selection(args.smoke),
-              "compress": compress_table(args.smoke)}
+              "compress": compress_table(args.smoke), "schedule": event_schedule(args.smoke)}
     if not args.no_fused:
         result["fused"] = fused_table(args.smoke)
     if args.cuda and torch.cuda.is_available():
