@@ -21,8 +21,13 @@
 #            fused Triton kernels: dispatch, parity, their times against the stock ops printed)
 #            and benchmarks/bench_decode_kernels.py --smoke --cuda (torch.profiler kernels per
 #            step: eager / CUDA graph / fused; JSON in $OUT/decode_kernels.json)
-# Budget: about 10-11 minutes on an H100 in all (pytest ~2 min, trl < 4 min, decode ~2 min,
-# fused ~2 min).
+#   snapkv   benchmarks/bench_decode_kernels.py --schedule-only --cuda: the decode table's 32k cell
+#            (0.6B, B=8, budget 2048, CUDA graphs) with StreamingLLM, SnapKV, RKV, SnapKV, RKV in one
+#            process: ms/token, compression events and each event's seconds, captures and dynamo
+#            graphs per call (is SnapKV's 6.7 ms/token a one-time cost of its first call? JSON in
+#            $OUT/snapkv_schedule.json; ~2 min)
+# Budget: about 12-13 minutes on an H100 in all (pytest ~2 min, trl < 4 min, decode ~2 min,
+# fused ~2 min, snapkv ~2 min: not measured yet).
 # Prepare on the CPU machine first: bash ../shared/gpu/build_flashinfer_aot.sh and
 # bash scripts/gpu_wheels.sh; carry .gpu (see gpu_wheels.sh for the 64 MiB carry limit).
 set -uo pipefail
@@ -32,7 +37,7 @@ OUT="${OUT:-$ROOT/results/gpu-check}"
 mkdir -p "$OUT"
 CPU="${GPU_CHECK_CPU:-0}"
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env install memory pytest trl decode fused)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env install memory pytest trl decode fused snapkv)
 PY=python3
 [ "$CPU" = 1 ] && PY="${PYTHON:-python3}"
 export PYTHONPATH="/tmp/site:$ROOT/src:$ROOT/integrations/trl/src:$ROOT" FLASHINFER_WORKSPACE_BASE=/tmp/fiws \
@@ -97,7 +102,11 @@ for s in "${STEPS[@]}"; do
             else step decode 240 $PY benchmarks/bench_decoding_gpu.py --models qwen3-0.6b --batches 8 \
                      --contexts 32768,4096 --cuda-graph --out "$OUT/decode.jsonl"; fi ;;
     fused) step fused 240 bash -c "$PY -m pytest -q -s -m gpu tests/gpu/test_fused_gpu.py tests/gpu/test_votes_gpu.py tests/gpu/test_kv_write_gpu.py -p no:cacheprovider -rfEs -o addopts='' ; $PY benchmarks/bench_decode_kernels.py --smoke --cuda --no-fused --json $OUT/decode_kernels.json" ;;
-    *) echo "gpu_check: unknown step $s (env install memory pytest trl decode fused)" >&2; exit 2 ;;
+    snapkv) if [ "$CPU" = 1 ]; then step snapkv 240 $PY benchmarks/bench_decode_kernels.py --schedule-only --smoke \
+                --json "$OUT/snapkv_schedule.json"
+            else step snapkv 240 $PY benchmarks/bench_decode_kernels.py --schedule-only --cuda \
+                --json "$OUT/snapkv_schedule.json"; fi ;;
+    *) echo "gpu_check: unknown step $s (env install memory pytest trl decode fused snapkv)" >&2; exit 2 ;;
   esac
 done
 echo "gpu_check: done; $OUT/steps.jsonl:"; cat "$OUT/steps.jsonl"
