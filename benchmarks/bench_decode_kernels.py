@@ -555,7 +555,8 @@ def event_schedule(smoke: bool, *, cuda: bool = False) -> list[dict]:
     (budget, buffer 128, 144 new tokens; the prompt longer than budget + buffer): per ``generate``
     call, its compression events (valid slots before each: the prefill's, then the decode's at
     budget + buffer), each event's seconds, the decode seconds per token after the first
-    (capture excluded, as ``bench_decoding_gpu``) and the graph captures and dynamo graphs
+    (capture excluded, as ``bench_decoding_gpu``), the graph captures, what ran (``meta``'s
+    ``cuda_graph`` / ``fused``: a failed capture or compile shows there) and the dynamo graphs
     compiled during the call. A policy whose first call is slower per token than its second
     (same shape, same process) pays a one-time cost in its timed window. CPU: the 2-layer tiny
     model, eager; ``cuda``: Qwen3-0.6B's shape, B=8, 32k context, budget 2048, CUDA graphs (the
@@ -589,6 +590,7 @@ def event_schedule(smoke: bool, *, cuda: bool = False) -> list[dict]:
         rows.append({"policy": name, "events": [n for n, _ in events], "event_s": [round(t, 4) for _, t in events],
                      "ms_per_token": 1e3 * (meta["decode_s"] - meta.get("capture_s", 0.0)) / (new - 1),
                      "captures": meta.get("graph_captures", 0), "capture_s": meta.get("capture_s", 0.0),
+                     "cuda_graph": meta.get("cuda_graph"), "fused": meta.get("fused"),
                      "dynamo_graphs": counters["stats"]["unique_graphs"] - graphs, "backend": meta["backend"],
                      "device": str(device), "shape": dict(batch=batch, prompt=prompt, budget=budget, buffer=buffer,
                                                           new=new)})
@@ -603,10 +605,10 @@ def print_schedule(rows: list[dict] | None) -> None:
           f"{rows[0]['device']}, B={sh['batch']}, prompt {sh['prompt']}, budget {sh['budget']}, buffer "
           f"{sh['buffer']}, {sh['new']} new tokens)\n")
     print(table(["policy", "events", "valid slots before each", "seconds of each", "decode ms/token",
-                 "graph captures", "dynamo graphs compiled"],
+                 "graph captures", "cuda_graph / fused", "dynamo graphs compiled"],
                 [[r["policy"], len(r["events"]), " ".join(map(str, r["events"])),
                   " ".join(f"{t:.3f}" for t in r["event_s"]), f"{r['ms_per_token']:.2f}", r["captures"],
-                  r["dynamo_graphs"]] for r in rows]))
+                  f"{r['cuda_graph']} / {r['fused']}", r["dynamo_graphs"]] for r in rows]))
 
 
 # -- CUDA: torch.profiler kernels per step ----------------------------------------------------------
