@@ -42,12 +42,13 @@ __all__ = [
 
 INSTALL_HINT = "pip install 'sparsecorr[flashinfer]'"
 _CUDA_CORE_GROUP_SIZES = (1, 2, 4, 8)
-# What the pinned flashinfer-python (0.7.x) builds its paged decode / prefill kernels for: the head
-# dims of its AOT build (``flashinfer/aot.py``, ``get_default_config``: ``fa2_head_dim`` (64, 64),
-# (128, 128), (256, 256); head_dim 512 is left out of the prebuilt wheel) and of the
-# ``DISPATCH_HEAD_DIM`` switch of ``include/flashinfer/utils.cuh`` that the merge-states kernel of
-# a split-KV decode goes through ("Unsupported head_dim: 16"); and its 16-bit dtypes
-# (``f16_dtype``: float16, bfloat16; the fp8 KV variants take a 16-bit query, not used here).
+# What FlashInfer builds its paged decode / prefill kernels for, read from its source
+# (flashinfer-ai/flashinfer): the head dims of its AOT build (``flashinfer/aot.py``,
+# ``get_default_config``: ``fa2_head_dim`` (64, 64), (128, 128), (256, 256); head_dim 512 is left
+# out of the prebuilt kernels) and of the ``DISPATCH_HEAD_DIM`` switch of
+# ``include/flashinfer/utils.cuh`` that the merge-states kernel of a split-KV decode goes through
+# (the 0.7.2 wheel of the ``flashinfer`` extra raises "Unsupported head_dim: 16" there); and its
+# 16-bit dtypes (``f16_dtype``: float16, bfloat16; the fp8 KV variants are not used here).
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 _WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
