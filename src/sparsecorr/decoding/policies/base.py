@@ -24,7 +24,7 @@ from ..._checks import check_int as _check_int
 from ..kernels import window_votes
 
 __all__ = ["KVPolicy", "KeepSet", "check_int", "compress", "group_scores", "matmul_f32", "merge_rows",
-           "split_rows", "window_votes"]
+           "split_rows"]
 
 Kind = Literal["dense", "eviction", "selection"]
 

@@ -16,7 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import Kind, KVPolicy, matmul_f32, merge_rows, split_rows, window_votes
+from ..kernels import window_votes
+from .base import Kind, KVPolicy, matmul_f32, merge_rows, split_rows
 from .snapkv import check_window_policy, pool_scores
 
 __all__ = ["RKV", "key_redundancy", "rkv_parts", "unit_weights", "weighted_key_sum"]
