@@ -13,6 +13,11 @@ from sparsecorr.decoding.loops import Sampling, decode_loop, prefill
 from sparsecorr.decoding.validate import budget_table
 
 
+def alive(refs) -> int:
+    """How many of the weak references ``refs`` still point at a live object."""
+    return sum(r() is not None for r in refs)
+
+
 class _Bar:
     def update(self, n):
         pass

@@ -8,16 +8,9 @@ import pytest
 import torch
 
 import sparsecorr.decoding.engine as engine_mod
-import sparsecorr.decoding.graphs as graphs_mod
 import sparsecorr.decoding.loops as loops_mod
 from sparsecorr.decoding import RKV, Dense, StreamingLLM, generate
 from tests.models import tiny_model
-
-
-@pytest.fixture
-def cpu_graphs(monkeypatch):
-    monkeypatch.setattr(graphs_mod, "CudaGraphRunner", graphs_mod.EagerRunner)
-    monkeypatch.setattr(graphs_mod, "check_graph_device", lambda device: None)
 
 
 def _gen(model, policy, graph, eos):

@@ -17,18 +17,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import sparsecorr.decoding.fused as fused_mod
-import sparsecorr.decoding.graphs as graphs_mod
 from sparsecorr.decoding import RKV, BlockTopK, Dense, SnapKV, StreamingLLM, generate
 from sparsecorr.decoding.cache import active
 from sparsecorr.decoding.hf import cache_keyword
 from tests.models import tiny_model
-
-
-@pytest.fixture
-def cpu_graphs(monkeypatch):
-    """The CUDA-graph step on the CPU: the eager stand-in runner, no device check."""
-    monkeypatch.setattr(graphs_mod, "CudaGraphRunner", graphs_mod.EagerRunner)
-    monkeypatch.setattr(graphs_mod, "check_graph_device", lambda device: None)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ stores its kernels), every policy, the paged backend and teacher forcing.
 from __future__ import annotations
 
 import gc
-import importlib
-import weakref
 
 import pytest
 import torch
@@ -31,8 +29,8 @@ from sparsecorr.decoding import (
     teacher_forced_logprobs,
 )
 from sparsecorr.decoding.backends import PagedBackend, ReferenceDecodeKernel
-from sparsecorr.decoding.pool import KVPool
 from tests.models import tiny_model
+from tests.unit.decoding.drive import alive
 
 POLICIES = [Dense(), StreamingLLM(sink=1, buffer=2), SnapKV(window=3, buffer=2), RKV(window=3, buffer=2),
             BlockTopK(page_size=4, dense_layers=1)]
@@ -41,49 +39,6 @@ BUDGET = {"dense": None}
 
 class _Injected(RuntimeError):
     pass
-
-
-@pytest.fixture
-def no_gc():
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-@pytest.fixture
-def tracked(monkeypatch):
-    """Weak references to every engine, pool and pool tensor the calls create."""
-    refs: list[weakref.ref] = []
-
-    class TrackedPool(KVPool):
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            refs.append(weakref.ref(self))
-            refs.extend(weakref.ref(t) for g in (self.k, self.v, self.pos or [], self.win or [], self.summ or [])
-                        for t in g)
-
-    class TrackedEngine(engine_mod.Engine):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            refs.append(weakref.ref(self))
-
-    monkeypatch.setattr(engine_mod, "KVPool", TrackedPool)
-    monkeypatch.setattr(importlib.import_module("sparsecorr.decoding.generate"), "Engine", TrackedEngine)
-    return refs
-
-
-@pytest.fixture
-def cpu_graphs(monkeypatch):
-    """``cuda_graph=True`` on the CPU: the graph code path with the eager stand-in runner."""
-    monkeypatch.setattr(graphs_mod, "CudaGraphRunner", graphs_mod.EagerRunner)
-    monkeypatch.setattr(graphs_mod, "check_graph_device", lambda device: None)
-
-
-def _alive(refs) -> int:
-    return sum(r() is not None for r in refs)
 
 
 def _inputs(seed=0):
@@ -112,7 +67,7 @@ def test_generate_holds_nothing_after_it_returns(policy, path, no_gc, tracked, c
     backend = _paged() if path == "graph-paged" else "torch"
     out = _gen(model, policy, graph=path != "eager", backend=backend)
     assert tracked and out.meta["cuda_graph"] == ("off" if path == "eager" else "on")
-    assert _alive(tracked) == 0, f"{_alive(tracked)} engine/pool objects alive after generate returned"
+    assert alive(tracked) == 0, f"{alive(tracked)} engine/pool objects alive after generate returned"
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
@@ -148,7 +103,7 @@ def test_an_exception_inside_the_loop_leaves_nothing_allocated(policy, graph, wh
     with pytest.raises(_Injected) as info:
         _gen(model, policy, graph=graph)
     assert info.value.__traceback__ is not None and tracked
-    assert _alive(tracked) == 0, f"{_alive(tracked)} engine/pool objects pinned by the traceback"
+    assert alive(tracked) == 0, f"{alive(tracked)} engine/pool objects pinned by the traceback"
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
@@ -156,7 +111,7 @@ def test_twenty_calls_in_a_row_hold_nothing(graph, no_gc, tracked, cpu_graphs):
     model = tiny_model("qwen3", num_layers=2)
     for i in range(20):
         _gen(model, POLICIES[i % len(POLICIES)], graph=graph, steps=6)
-        assert _alive(tracked) == 0, f"call {i}: {_alive(tracked)} engine/pool objects alive"
+        assert alive(tracked) == 0, f"call {i}: {alive(tracked)} engine/pool objects alive"
     assert len(tracked) >= 20 * 3
 
 
@@ -185,7 +140,7 @@ def test_teacher_forcing_holds_nothing(policy, fail, no_gc, tracked, monkeypatch
     else:
         out = teacher_forced_logprobs(model, ids, resp, **kw)
         assert bool(out.mask.all())
-    assert tracked and _alive(tracked) == 0
+    assert tracked and alive(tracked) == 0
 
 
 def test_graph_steps_close_over_no_engine(cpu_graphs):

@@ -16,14 +16,11 @@ again for the same model state. Tolerances: those of test_fused.py (log-probs wi
 
 from __future__ import annotations
 
-import gc
 import warnings
-import weakref
 
 import pytest
 import torch
 
-import sparsecorr.decoding.engine as engine_mod
 import sparsecorr.decoding.fused as fused_mod
 import sparsecorr.decoding.graphs as graphs_mod
 import sparsecorr.decoding.loops as loops_mod
@@ -31,54 +28,18 @@ from sparsecorr._modes import eval_mode
 from sparsecorr.decoding import generate
 from sparsecorr.decoding.hf import model_state
 from sparsecorr.decoding.policies import POLICIES, get_policy
-from sparsecorr.decoding.pool import KVPool
 from tests.models import tiny_model, trainer_prepared
+from tests.unit.decoding.drive import alive
 
 #: a small instance of every registered policy (the test below checks none is missing)
 KWARGS = {"dense": {}, "streaming_llm": dict(sink=1, buffer=2), "snapkv": dict(window=3, buffer=2),
           "rkv": dict(window=3, buffer=2), "block_topk": dict(page_size=2, keep_last_pages=1, dense_layers=1)}
 
 
-@pytest.fixture
-def cpu_graphs(monkeypatch):
-    """``cuda_graph=True`` on the CPU: the graph code path with the eager stand-in runner."""
-    monkeypatch.setattr(graphs_mod, "CudaGraphRunner", graphs_mod.EagerRunner)
-    monkeypatch.setattr(graphs_mod, "check_graph_device", lambda device: None)
-
-
-@pytest.fixture
-def pools(monkeypatch):
-    """Weak references to every KV pool (and its tensors) the calls create."""
-    refs: list[weakref.ref] = []
-
-    class TrackedPool(KVPool):
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            refs.append(weakref.ref(self))
-            refs.extend(weakref.ref(t) for t in self.k + self.v)
-
-    monkeypatch.setattr(engine_mod, "KVPool", TrackedPool)
-    return refs
-
-
-@pytest.fixture
-def no_gc():
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 @pytest.fixture(scope="module")
 def prepared():
     """A tiny Qwen3 prepared as TRL prepares it (compiled once for every test that uses it)."""
     return trainer_prepared(tiny_model("qwen3", num_layers=2))
-
-
-def _alive(refs) -> int:
-    return sum(r() is not None for r in refs)
 
 
 def _generate(model, policy, *, fused, steps=5):
@@ -106,7 +67,7 @@ def test_every_registered_policy_is_covered():
 
 
 @pytest.mark.parametrize("name", sorted(KWARGS))
-def test_a_trainer_prepared_model_runs_fused_and_holds_no_pool(name, prepared, cpu_graphs, pools, no_gc):
+def test_a_trainer_prepared_model_runs_fused_and_holds_no_pool(name, prepared, cpu_graphs, tracked, no_gc):
     """Fused on for the model TRL trains, equal to the unfused step, and no KV pool alive after
     each of three calls with the cycle collector off; hooks, flags and modes as they were."""
     policy = get_policy(name, **KWARGS[name])
@@ -115,7 +76,7 @@ def test_a_trainer_prepared_model_runs_fused_and_holds_no_pool(name, prepared, c
     for i in range(3):
         got = _generate(prepared, policy, fused=True)
         assert (got.meta["cuda_graph"], got.meta["fused"]) == ("on", "on"), got.meta["fused"]
-        assert _alive(pools) == 0, f"call {i}: {_alive(pools)} pools (or pool tensors) alive"
+        assert alive(tracked) == 0, f"call {i}: {alive(tracked)} engine/pool objects alive"
     _same_outputs(got, ref)
     assert _snapshot(prepared) == before
     assert prepared._require_grads_hook is not None  # the trainer's hook is still there
@@ -155,7 +116,7 @@ def test_a_model_in_train_mode_runs_fused_and_is_restored(prepared, cpu_graphs, 
         prepared.eval()
 
 
-def test_a_peft_lora_model_runs_fused(cpu_graphs, pools, no_gc):
+def test_a_peft_lora_model_runs_fused(cpu_graphs, tracked, no_gc):
     """A LoRA-wrapped model (adapters not zero), prepared as TRL prepares a peft model."""
     peft = pytest.importorskip("peft")
     base = tiny_model("qwen3", num_layers=1, seed=4)
@@ -171,7 +132,7 @@ def test_a_peft_lora_model_runs_fused(cpu_graphs, pools, no_gc):
     got = _generate(model, policy, fused=True)
     assert got.meta["fused"] == "on", got.meta["fused"]
     _same_outputs(got, ref)
-    assert _alive(pools) == 0 and _snapshot(model) == before
+    assert alive(tracked) == 0 and _snapshot(model) == before
 
 
 def _count_compile_attempts(monkeypatch) -> list:
@@ -187,7 +148,7 @@ def _count_compile_attempts(monkeypatch) -> list:
     return attempts
 
 
-def test_dynamos_unsupported_leaves_no_pool_and_is_not_retried(cpu_graphs, pools, no_gc, monkeypatch):
+def test_dynamos_unsupported_leaves_no_pool_and_is_not_retried(cpu_graphs, tracked, no_gc, monkeypatch):
     """A model piece dynamo refuses under ``fullgraph`` (a graph break in a forward hook of the
     final norm): dynamo's ``Unsupported`` propagates out of a frame that keeps it (a reference
     cycle through the frames that hold the step's pool). The step runs unfused, no pool is
@@ -203,7 +164,7 @@ def test_dynamos_unsupported_leaves_no_pool_and_is_not_retried(cpu_graphs, pools
         outs = []
         for i in range(3):
             outs.append(_generate(model, policy, fused=True))
-            assert _alive(pools) == 0, f"call {i}: {_alive(pools)} pools (or pool tensors) alive"
+            assert alive(tracked) == 0, f"call {i}: {alive(tracked)} engine/pool objects alive"
     fused = [o.meta["fused"] for o in outs]
     assert fused[0].startswith("failed: Unsupported") and fused == [fused[0]] * 3
     assert all(o.meta["cuda_graph"] == "on" for o in outs)
@@ -233,7 +194,7 @@ class _FailingRunner(graphs_mod.EagerRunner):
             raise kept from None
 
 
-def test_a_failed_graph_capture_leaves_no_pool(pools, no_gc, monkeypatch):
+def test_a_failed_graph_capture_leaves_no_pool(tracked, no_gc, monkeypatch):
     monkeypatch.setattr(graphs_mod, "CudaGraphRunner", _FailingRunner)
     monkeypatch.setattr(graphs_mod, "check_graph_device", lambda device: None)
     model = tiny_model("qwen3", num_layers=1, seed=6)
@@ -242,7 +203,7 @@ def test_a_failed_graph_capture_leaves_no_pool(pools, no_gc, monkeypatch):
         with pytest.warns(RuntimeWarning, match="cuda_graph: capture failed, decoding eagerly"):
             out = _generate(model, policy, fused=False)
         assert out.meta["cuda_graph"] == "failed: _CaptureError"
-        assert _alive(pools) == 0, f"call {i}: {_alive(pools)} pools (or pool tensors) alive"
+        assert alive(tracked) == 0, f"call {i}: {alive(tracked)} engine/pool objects alive"
 
 
 def test_an_outer_exception_keeps_its_traceback(cpu_graphs, monkeypatch):
