@@ -248,7 +248,7 @@ def step_table(smoke: bool) -> list[dict]:
 
 # the frames of BlockTopK's page selection and of its write into a paged kernel's table
 _SELECTION = ("decoding/policies/block_topk.py:", "decoding/policies/base.py:matmul_f32",
-              "decoding/cache.py:_attend_selected", "decoding/backends/paging.py:scatter_selected_pages")
+              "decoding/backends/paging.py:scatter_selected_pages")
 
 
 def paged_selection(smoke: bool) -> dict:
@@ -411,21 +411,20 @@ def _event_pool(policy, shape: dict, device: str, layers: int):
     from sparsecorr.decoding.pool import KVPool
 
     b, h, g, s, d, _ = (shape[k] for k in ("b", "h", "g", "s", "d", "w"))
-    window = getattr(policy, "window", 0) if policy.evicts else 0
-    pool = KVPool(layers=layers, batch=b, kv_heads=h, q_heads=h * g, head_dim=d, capacity=s, page_size=16,
-                  dtype=torch.bfloat16, device=torch.device(device), positions=True, window=window,
-                  summaries=False, grad=False)
-    cache = SparseKVCache(pool, policy=policy, backend=TorchBackend())
+    pool = KVPool(layers=layers, batch=b, kv_heads=h, head_dim=d, capacity=s, page_size=16,
+                  dtype=torch.bfloat16, device=torch.device(device), positions=True, grad=False)
+    state = policy.new_state(pool, q_heads=h * g, table=torch.full((s + 1,), s))
+    cache = SparseKVCache(pool, policy=policy, state=state, backend=TorchBackend())
     if device != "meta":
         gen = torch.Generator().manual_seed(0)
         for i in range(layers):
             pool.k[i].copy_(torch.randn(pool.k[i].shape, generator=gen))
             pool.pos[i].copy_(torch.arange(pool.pos[i].shape[-1]))
-        if getattr(pool, "norms_all", None) is not None:  # the norms the writes would have stored
-            pool.add_key_norms(torch.arange(pool.k[0].shape[2], device=device).expand(b, -1))
-    if getattr(pool, "unit_sum_all", None) is not None:  # steady state: the unit sums cover all
+        if getattr(state, "norms_all", None) is not None:  # the norms the writes would have stored
+            state.add_key_norms(torch.arange(pool.k[0].shape[2], device=device).expand(b, -1))
+    if getattr(state, "unit_sum_all", None) is not None:  # steady state: the unit sums cover all
         done = s - policy.buffer  # but the `buffer` tokens decoded since the last event
-        pool.sync_unit_sums(torch.full((b,), done, device=device), low=done, high=done)
+        state.sync_unit_sums(torch.full((b,), done, device=device), low=done, high=done)
     return pool, cache
 
 
@@ -437,6 +436,10 @@ def _counted(fn, counter: KernelCounter):
     return run
 
 
+# the frames of a compaction: the pool's, and the key norms R-KV's state compacts with the keys
+_COMPACTION = ("decoding/pool.py:compact", "decoding/policies/rkv.py:compacted")
+
+
 def event_counts(policy, shape: dict, device: str, layers: int, *, steady: bool = False) -> dict:
     """Ops of one compression event of a ``layers``-deep pool (``SparseKVCache.compress``: scoring,
     kept sets and the compaction of every layer), per layer; its bytes without the compaction
@@ -445,26 +448,26 @@ def event_counts(policy, shape: dict, device: str, layers: int, *, steady: bool 
     # the table's event halves the cache; ``steady``: the decode's event, from budget + buffer to budget
     budget = s - policy.buffer if steady else s // 2 - getattr(policy, "buffer", 0)
     budgets, counts = torch.full((b,), budget), torch.full((b,), s)
-    pool, cache = _event_pool(policy, shape, device, layers)
-    order = None
-    if pool.win is not None:
-        order = (torch.full((b,), s)[:, None] + torch.arange(pool.window)) % pool.window
-        order = order.to(device)
-    # R-KV's unit-key sums kept in the pool: counted in the event, and apart (a nested counter)
+    _, cache = _event_pool(policy, shape, device, layers)
+    state = cache.state
+    # R-KV's unit-key sums kept beside the pool: counted in the event, and apart (a nested counter)
     unit = {}
     for name in ("sync_unit_sums", "drop_unit_sums", "keep_unit_sums"):
-        if getattr(pool, "unit_sum_all", None) is not None:
+        if getattr(state, "unit_sum_all", None) is not None:
             unit[name] = KernelCounter()
-            setattr(pool, name, _counted(getattr(pool, name), unit[name]))
+            setattr(state, name, _counted(getattr(state, name), unit[name]))
+    # every row has seen a full window: the ring is read in order, no query masked
+    ctx = torch.full((b,), s)
     counter = KernelCounter()
     with counter:
-        cache.compress(budgets, counts, None, order=order)
+        cache.compress(budgets, counts, ctx)
     key_bytes = layers * b * shape["h"] * s * shape["d"] * 2
-    # the compaction (pool.py's compact / compact_all) apart: the target is on the scoring and kept sets
-    comp = {k: v for k, v in counter.bytes_where.items() if k.startswith("decoding/pool.py:compact")}
-    comp_ops = sum(v for (_, k), v in counter.by_where.items() if k.startswith("decoding/pool.py:compact"))
+    # the compaction (the pool's compact / compact_all, and R-KV's key norms compacted with the
+    # keys) apart: the target is on the scoring and kept sets
+    comp = {k: v for k, v in counter.bytes_where.items() if k.startswith(_COMPACTION)}
+    comp_ops = sum(v for (_, k), v in counter.by_where.items() if k.startswith(_COMPACTION))
     scoring = counter.bytes - sum(comp.values())
-    comp_g = sum(v for k, v in counter.bytes_gathered_where.items() if k.startswith("decoding/pool.py:compact"))
+    comp_g = sum(v for k, v in counter.bytes_gathered_where.items() if k.startswith(_COMPACTION))
     scoring_g = counter.bytes_gathered - comp_g
     return {"ops": counter.total / layers, "bytes": scoring / layers, "key_bytes": key_bytes / layers,
             "ratio": scoring / key_bytes, "compaction_ops": comp_ops / layers,
@@ -480,10 +483,9 @@ def compaction_counts(shape: dict, layers: int = 1) -> dict:
     layer, or with ``layers > 1`` ``KVPool.compact_all`` of every layer where the pool has it."""
     from sparsecorr.decoding.pool import KVPool
 
-    b, h, g, s, d, w = (shape[k] for k in ("b", "h", "g", "s", "d", "w"))
-    pool = KVPool(layers=layers, batch=b, kv_heads=h, q_heads=h * g, head_dim=d, capacity=s, page_size=16,
-                  dtype=torch.bfloat16, device=torch.device("cpu"), positions=True, window=w,
-                  summaries=False, grad=False)
+    b, h, s, d = (shape[k] for k in ("b", "h", "s", "d"))
+    pool = KVPool(layers=layers, batch=b, kv_heads=h, head_dim=d, capacity=s, page_size=16,
+                  dtype=torch.bfloat16, device=torch.device("cpu"), positions=True, grad=False)
     index = torch.arange(s // 2).expand(layers, b, h, s // 2)
     counter = KernelCounter()
     with counter:
@@ -719,7 +721,7 @@ def print_tables(result: dict) -> None:
                   f"{_fmt(m['compaction_ops'])} ops and {m['compaction_bytes'] / 2**20:.0f} MiB per layer (CUDA ops); "
                   f"counting only the elements a gather reads: {m['ratio_gathered']:.2f}x the keys")
             for name, u in m.get("unit_sums", {}).items():
-                print(f"  - of which `KVPool.{name}` (R-KV's unit-key sums kept in the pool): "
+                print(f"  - of which `RKVState.{name}` (R-KV's unit-key sums, kept beside the pool): "
                       f"{_fmt(u['ops'])} ops, {u['ratio']:.2f}x the keys per layer "
                       f"({u['ratio_gathered']:.2f}x counting the elements gathered) (CUDA ops)")
     if result.get("cuda"):

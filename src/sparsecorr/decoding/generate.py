@@ -86,7 +86,7 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     live = (lens > 0).nonzero().squeeze(1)
     back, backend_label = select_backend(backend, device=device, dtype=param.dtype, head_dim=spec.head_dim,
                                          group_size=spec.heads_q // spec.heads_kv)
-    budget_table(budget, dense=policy.kind == "dense", longest=0)  # checked even for an empty batch
+    budget_table(budget, dense=policy.ignores_budget, longest=0)  # checked even for an empty batch
     base = dict(budget=budget, samp=samp, backend_name=backend_label, prefill_chunk=prefill_chunk,
                 logprobs_topk=samp.k, logprobs_topk_requested=topk_requested)
     if live.numel() == 0:
@@ -94,7 +94,7 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
                             meta=_meta(model, policy, **base, prefill_s=0.0, decode_s=0.0, kv_pool_bytes=0))
     ids, lens = ids[live.to(device)], lens[live]
     longest = int(lens.max()) + t_max
-    table = budget_table(budget, dense=policy.kind == "dense", longest=longest)
+    table = budget_table(budget, dense=policy.ignores_budget, longest=longest)
     chunk = prefill_chunk or int(lens.max())
     engine = Engine(model, policy=policy, backend=back, table=table, batch=live.numel(),
                     capacity=pool_capacity(policy, table, longest=longest, chunk=chunk), grad=grad,
@@ -165,7 +165,7 @@ def _engine_info(engine) -> dict:
     g = engine.graphs
     graph, fused = _graph_status(g)
     return {"peak_kv_bytes": engine.peak_slots * engine.pool.slot_bytes(),
-            "kv_pool_bytes": engine.pool.allocated_bytes(), "cuda_graph": graph,
+            "kv_pool_bytes": engine.cache.allocated_bytes(), "cuda_graph": graph,
             "fused": fused, "graph_captures": g.captures if g else 0, "capture_s": g.capture_s if g else 0.0,
             "kept_sets": None if engine.kept_events is None else
             kept_sets(engine.kept_events, layers=engine.n_layers, heads=engine.heads_kv)}

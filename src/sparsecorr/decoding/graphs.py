@@ -11,17 +11,20 @@ in static device buffers refreshed before each replay; compression, sampling, Fl
 that finish stay as masked dummies until the live rows fit the next smaller power of two
 (`sparsecorr.decoding.loops.rows_to_keep`), then the batch shrinks and the next step captures.
 
-Capture runs one eager warm-up step on a side stream first (it writes the step's own K/V and
-its queries' observation-ring column, which the replay rewrites; the rings and the running page
-sums are restored). If capture fails,
+The engine plans each step once (`sparsecorr.decoding.engine.Engine.plan` with ``static=True``:
+host tensors at the graph's fixed sizes); the runner copies them into the step's static twin
+(`sparsecorr.decoding.cache.step_twin`, `load_step`) and reads nothing else of the engine: what a
+capture needs comes as a `CaptureSpec`. Capture runs one eager warm-up step on a side stream first
+(it writes the step's own K/V and whatever the policy's state writes, which the replay rewrites;
+the buffers the state adds to are restored: `PolicyState.added_to`). If capture fails,
 the engine warns once and stays eager; ``RolloutBatch.meta["cuda_graph"]`` says which happened.
 
 **Ownership.** The warm-up and the capture run on one stream per device (`capture_stream`),
 created once and reused by every call: PyTorch keeps one cuBLAS workspace per (handle, stream)
 for the life of the process (32 MiB on Hopper), so a new stream per capture would leave 32 MiB
 behind every ``generate`` call. Nothing here points back at the engine: `DecodeGraphs` takes it
-as an argument, and the captured step closes over the model, the cache and its static buffers
-only, so the graphs, the pool and the FlashInfer plans are freed by reference counting the
+a `CaptureSpec` (the model, the cache, the device and the kernels' shape) with each step, and
+the captured step closes over the model, the cache and its static buffers only, so the graphs, the pool and the FlashInfer plans are freed by reference counting the
 moment the engine is dropped (no cycle for Python's collector to find). A capture that fails
 is not kept either: its exception's frames, which hold the step's buffers and the pool, are
 cleared (`sparsecorr.decoding.fused.release`).
@@ -35,15 +38,15 @@ import time
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
-from .cache import Step
+from .cache import Step, load_step, step_twin
 from .fused import capture_fused, describe, fused_forward, release, remember_failure
 from .hf import forward
-from .policies import selection_plan
 
-__all__ = ["CudaGraphRunner", "DecodeGraphs", "EagerRunner", "capture_stream", "check_graph_device"]
+__all__ = ["CaptureSpec", "CudaGraphRunner", "DecodeGraphs", "EagerRunner", "capture_stream", "check_graph_device"]
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -63,6 +66,21 @@ def check_graph_device(device: torch.device) -> None:
     """Raise ``ValueError`` unless CUDA graphs can be captured for a model on ``device``."""
     if torch.device(device).type != "cuda":
         raise ValueError(f"cuda_graph: needs the model on a CUDA device, got {device}")
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What capturing and replaying a decode step needs (the engine gives it; it holds nothing of
+    the engine): the model, its cache (the pool, the policy's state, the backend), the device, and
+    the shape a paged backend's fixed-buffer kernels are made for (KV heads, query heads per KV
+    head, head dim)."""
+
+    model: Any
+    cache: Any
+    device: torch.device
+    heads_kv: int
+    group: int
+    head_dim: int
 
 
 def _warm_up(fn, restore: list[torch.Tensor]) -> None:
@@ -121,14 +139,13 @@ class EagerRunner:
 
 def _graph_forward(model, cache, step: Step, ids: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """The captured decode forward: reads the whole pool, the row lengths in a mask built from
-    the static device counts; ``fused``: the model's forward compiled (`sparsecorr.decoding.fused`).
-    Closes over no engine (see the module's *Ownership*)."""
+    the static device counts, and the policy's per-step device work (`PolicyState.derive`) inside
+    the graph; ``fused``: the model's forward compiled (`sparsecorr.decoding.fused`). Closes over
+    no engine (see the module's *Ownership*)."""
     cap = cache.pool.capacity
     step.mask = (torch.arange(cap, device=ids.device) <= step.counts[:, None])[:, None, None, :]
-    step.bias = step.gather = None  # made again by this forward's first layers
-    if step.select:  # the selection's per-step part, once per step inside the graph
-        step.plan = selection_plan(cache.policy, slots=step.query_slots, budgets=step.budgets, k=step.keep_max,
-                                   n_pages=cache.pool.pages_per_row)
+    step.bias = None  # made again by this forward's first layers
+    cache.state.derive(step.part)
     cache.step = step
     if fused:
         return fused_forward(model, ids, step.positions)
@@ -163,76 +180,55 @@ class DecodeGraphs:
         self.pool = None
 
     @staticmethod
-    def _static_step(e, b: int) -> Step:
-        dev = e.device
-        z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)  # noqa: E731
-        select = e.policy.kind == "selection"
-        return Step(q_len=1, kv_len=e.pool.capacity, slots=z(b, 1), positions=z(b, 1),
-                    real=torch.ones(b, dtype=torch.long, device=dev), mask=None, counts=z(b),
-                    select=select, query_slots=z(b, 1) if select else None,
-                    budgets=z(b, 1) if select else None, keep_max=e.keep_cap if select else 0,
-                    paged=bool(getattr(e.cache.backend, "paged", False)),
-                    win_slots=z(b, 1) if e.pool.win is not None else None,
-                    pages=z(b, 1) if select else None)
-
-    @staticmethod
-    def _load(e, c: _Captured, ids: torch.Tensor) -> None:
-        st = c.step
-        nb = dict(non_blocking=True)
+    def _load(spec: CaptureSpec, c: _Captured, step: Step, ids: torch.Tensor) -> None:
+        """Refresh the static buffers from the planned ``step``; a paged step's tables are planned
+        outside the graph, into its kernels' fixed buffers."""
         c.ids.copy_(ids)
-        st.counts.copy_(e.count, **nb)
-        st.slots.copy_(e.count[:, None], **nb)
-        st.positions.copy_(e.ctx[:, None], **nb)
-        if st.win_slots is not None:  # one real token per row: its position's ring column
-            st.win_slots.copy_(e.ctx[:, None] % e.pool.window, **nb)
-        if st.select:
-            st.pages.copy_(e.count[:, None] // e.pool.page_size, **nb)
-            st.query_slots.copy_(e.count[:, None], **nb)
-            st.budgets.copy_(e.budget_at(e.ctx[:, None] + 1), **nb)
+        load_step(c.step, step)
+        if step.page_plan is not None:
+            spec.cache.backend.begin_step(**step.page_plan)
 
-    def _capture(self, e, ids: torch.Tensor) -> _Captured:
-        b = ids.shape[0]
-        st = self._static_step(e, b)
-        if st.paged:  # FlashInfer wrappers with fixed buffers for this batch size
-            e.cache.backend.enable_graph(batch=b, heads=e.heads_kv, pages_per_row=e.pool.pages_per_row,
-                                         keep_cap=e.keep_cap, group=e.heads_q // e.heads_kv,
-                                         head_dim=e.head_dim, device=e.device)
-            e._begin_paged_step(k=e.keep_cap)
+    def _capture(self, spec: CaptureSpec, step: Step, ids: torch.Tensor) -> _Captured:
+        b, cache = ids.shape[0], spec.cache
+        st = step_twin(step, spec.device)
+        if st.paged:  # kernels with fixed table buffers for this batch size
+            cache.backend.enable_graph(batch=b, heads=spec.heads_kv, pages_per_row=cache.pool.pages_per_row,
+                                       keep_cap=cache.state.static_pages, group=spec.group,
+                                       head_dim=spec.head_dim, device=spec.device)
         static_ids = torch.zeros_like(ids)
         c = _Captured(runner=None, step=st, ids=static_ids)
-        self._load(e, c, ids)
+        self._load(spec, c, step, ids)
         t0 = time.perf_counter()
         self.captured = {}  # a smaller batch never comes back: free the older graph first
-        restore = (e.pool.win or []) + (e.pool.summ or [])
+        restore = cache.warm_up_buffers()
         make = lambda fused: self.runner(  # noqa: E731
-            functools.partial(_graph_forward, e.model, e.cache, st, static_ids, fused),
-            pool=self.pool, restore=restore, device=e.device)
+            functools.partial(_graph_forward, spec.model, cache, st, static_ids, fused),
+            pool=self.pool, restore=restore, device=spec.device)
         before = self.fused
         c.runner, self.fused = capture_fused(make, fused=self.fused)
         if before == "on" and self.fused != "on":  # the next call with this model state skips the attempt
-            remember_failure(e.model, self.fused)
+            remember_failure(spec.model, self.fused)
         self.capture_s += time.perf_counter() - t0  # torch.cuda.graph syncs on entry
         self.captures += 1
         self.captured = {b: c}
         return c
 
-    def run(self, engine, ids: torch.Tensor):
-        """The step's output (``.logits [B, 1, V]``) for ``engine``, from a graph replay; None if
-        capture failed (the caller then runs the step eagerly)."""
+    def run(self, step: Step, ids: torch.Tensor, spec: CaptureSpec):
+        """The output (``.logits [B, 1, V]``) of the planned static ``step`` (`Engine.plan` with
+        ``static=True``) from a graph replay; None if capture failed (the caller then runs the
+        step eagerly)."""
         b = ids.shape[0]
         outer = sys.exc_info()[1]
         try:
-            c = self.captured.get(b) or self._capture(engine, ids)
+            c = self.captured.get(b) or self._capture(spec, step, ids)
         except Exception as exc:  # an op that cannot be captured: stay eager, say so
             error = describe(exc)
             release(exc, outer=outer)  # its frames hold the step's buffers and the pool: nothing of them kept
             self.status = f"failed: {type(exc).__name__}"
             self.captured = {}
             warnings.warn(f"cuda_graph: capture failed, decoding eagerly ({error})", RuntimeWarning, stacklevel=2)
-            if hasattr(engine.cache.backend, "reset_graph"):  # eager kernels for the eager steps
-                engine.cache.backend.reset_graph()
+            if hasattr(spec.cache.backend, "reset_graph"):  # eager kernels for the eager steps
+                spec.cache.backend.reset_graph()
             return None
-        self._load(engine, c, ids)
-        if c.step.paged:
-            engine._begin_paged_step(k=engine.keep_cap)  # plan outside the graph, into its fixed buffers
+        self._load(spec, c, step, ids)
         return SimpleNamespace(logits=c.runner.replay()[:, None].clone())

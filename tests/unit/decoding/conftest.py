@@ -36,7 +36,7 @@ def no_gc():
 
 @pytest.fixture
 def tracked(monkeypatch):
-    """Weak references to every engine, pool and pool tensor the calls create (count the live
+    """Weak references to every engine, pool, pool tensor, policy state and state buffer the calls create (count the live
     ones with `tests.unit.decoding.drive.alive`)."""
     refs: list[weakref.ref] = []
 
@@ -44,13 +44,15 @@ def tracked(monkeypatch):
         def __init__(self, **kw):
             super().__init__(**kw)
             refs.append(weakref.ref(self))
-            refs.extend(weakref.ref(t) for g in (self.k, self.v, self.pos or [], self.win or [], self.summ or [])
-                        for t in g)
+            refs.extend(weakref.ref(t) for g in (self.k, self.v, self.pos or []) for t in g)
 
     class TrackedEngine(engine_mod.Engine):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             refs.append(weakref.ref(self))
+            # the policy's state and every buffer it keeps beside the pool (rings, page sums, norms)
+            refs.append(weakref.ref(self.cache.state))
+            refs.extend(weakref.ref(t) for t in self.cache.state.buffers())
 
     monkeypatch.setattr(engine_mod, "KVPool", TrackedPool)
     monkeypatch.setattr(importlib.import_module("sparsecorr.decoding.generate"), "Engine", TrackedEngine)

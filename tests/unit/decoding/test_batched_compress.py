@@ -2,8 +2,8 @@
 ``[L, B, ...]`` buffers seen as ``[L·B, ...]``): each layer's kept set, recorded positions and
 compacted K/V/positions equal those of the per-layer call (`policies.compress` on that layer's
 slice, then `KVPool.compact`) on the same inputs: ragged counts, per-row budgets, windows not
-yet full, forced (replayed) kept sets, with and without autograd; R-KV reads the key norms the
-pool keeps (`KVPool.add_key_norms`) where the per-layer call computes them from the keys."""
+yet full, forced (replayed) kept sets, with and without autograd; R-KV reads the key norms its
+state keeps (`RKVState.add_key_norms`) where the per-layer call computes them from the keys."""
 
 import pytest
 import torch
@@ -11,30 +11,37 @@ import torch
 from sparsecorr.decoding import RKV, SnapKV, StreamingLLM
 from sparsecorr.decoding.backends import TorchBackend
 from sparsecorr.decoding.cache import SparseKVCache, forced_keep
-from sparsecorr.decoding.policies import compress
-from sparsecorr.decoding.pool import KVPool, ring_order
+from sparsecorr.decoding.policies import compress, ring_order
+from sparsecorr.decoding.pool import KVPool
 
 L, B, H, G, D, W = 3, 3, 2, 2, 8, 4
 
 
+class _Filled(KVPool):
+    """The pool with its policy's state (``state``)."""
+
+
 def _filled(policy, *, grad: bool, seed: int = 0) -> tuple[KVPool, torch.Tensor]:
-    """A pool whose layers, rows and heads all hold different keys, windows and positions."""
+    """A pool whose layers, rows and heads all hold different keys, windows and positions (the
+    windows: the policy's observation ring where it keeps one, random queries otherwise)."""
     g = torch.Generator().manual_seed(seed)
-    pool = KVPool(layers=L, batch=B, kv_heads=H, q_heads=H * G, head_dim=D, capacity=40, page_size=4,
-                  dtype=torch.bfloat16, device=torch.device("cpu"), positions=True, window=W,
-                  summaries=False, grad=grad)
+    pool = _Filled(layers=L, batch=B, kv_heads=H, head_dim=D, capacity=40, page_size=4,
+                   dtype=torch.bfloat16, device=torch.device("cpu"), positions=True, grad=grad)
+    pool.state = policy.new_state(pool, q_heads=H * G, table=torch.full((64,), 20))
+    win = getattr(pool.state, "win", None) or [torch.zeros(B, H * G, W + 1, D, dtype=torch.bfloat16)
+                                              for _ in range(L)]
+    pool.win = win
     counts = torch.tensor([37, 29, 40])
     for i in range(L):
         with torch.no_grad():
             pool.k[i].copy_(torch.randn(pool.k[i].shape, generator=g))
             pool.v[i].copy_(torch.randn(pool.v[i].shape, generator=g))
-        pool.win[i].copy_(torch.randn(pool.win[i].shape, generator=g))
+        win[i].copy_(torch.randn(win[i].shape, generator=g))
         # increasing positions with gaps that differ per layer, row and head (earlier evictions)
         steps = torch.randint(1, 4, pool.pos[i].shape, generator=g)
         pool.pos[i].copy_(steps.cumsum(-1))
-    if policy.key_norms and not grad:  # R-KV reads the norms the pool keeps as keys are written
-        pool.track_norms()
-        pool.add_key_norms(torch.arange(pool.k[0].shape[2]).expand(B, -1))
+    if policy.key_norms and not grad:  # R-KV reads the norms its state keeps as keys are written
+        pool.state.add_key_norms(torch.arange(pool.k[0].shape[2]).expand(B, -1))
     return pool, counts
 
 
@@ -45,7 +52,8 @@ def _per_layer(policy, pool, counts, budgets, qv, order):
     kept = []
     for i in range(L):
         keys, pos = pool.k[i][:, :, :s].detach(), pool.pos[i][:, :, :s]
-        q = pool.windows_in_order(order)[i]
+        q = torch.stack(pool.win)[:, :, :, :W].gather(
+            3, order[None, :, None, :, None].expand(L, B, H * G, W, D))[i]  # the window, oldest first
         keep = compress(policy, keys=keys, queries=q, valid=valid, positions=pos, budget=budgets,
                         query_valid=qv, max_budget=int(budgets.max()))
         kept.append(torch.where(keep.valid, pos.gather(-1, keep.index), -1))
@@ -54,7 +62,7 @@ def _per_layer(policy, pool, counts, budgets, qv, order):
 
 
 def _cache(pool, policy):
-    return SparseKVCache(pool, policy=policy, backend=TorchBackend())
+    return SparseKVCache(pool, policy=policy, state=pool.state, backend=TorchBackend())
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
@@ -68,7 +76,7 @@ def test_batched_event_equals_the_per_layer_calls(policy, grad):
     ref_pool, counts = _filled(policy, grad=grad)
     want = _per_layer(policy, ref_pool, counts, budgets, qv, order)
     pool, _ = _filled(policy, grad=grad)
-    got = _cache(pool, policy).compress(budgets, counts, qv, record=True, order=order)
+    got = _cache(pool, policy).compress(budgets, counts, ctx, record=True)
     assert torch.equal(got, want)
     # the layers keep different sets (so a batching that mixed layers could not pass)
     assert not torch.equal(want[:, 0], want[:, 1]) or policy.name == "streaming_llm"
@@ -85,11 +93,11 @@ def test_batched_replay_equals_the_per_layer_replay():
     policy = RKV(window=W, buffer=2)
     budgets, ctx = torch.tensor([20, 29, 11]), torch.tensor([50, 60, 41])
     pool, counts = _filled(policy, grad=False, seed=1)
-    recorded = _cache(pool, policy).compress(budgets, counts, None, record=True, order=ring_order(ctx, W))
+    recorded = _cache(pool, policy).compress(budgets, counts, ctx, record=True)
     due = torch.tensor([True, False, True])
     # replay the recorded sets on a fresh copy, batched and per layer
     a, _ = _filled(policy, grad=False, seed=1)
-    got = _cache(a, policy).compress(budgets, counts, None, forced=recorded, due=due, record=True)
+    got = _cache(a, policy).compress(budgets, counts, ctx, forced=recorded, due=due, record=True)
     b, _ = _filled(policy, grad=False, seed=1)
     s = int(counts.max())
     valid = (torch.arange(s) < counts[:, None])[:, None, :].expand(B, H, s)

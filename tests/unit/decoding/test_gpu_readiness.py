@@ -297,12 +297,12 @@ def test_compression_makes_no_blocking_copy_per_layer(policy):
     from sparsecorr.decoding.pool import KVPool
 
     meta = torch.device("meta")
-    pool = KVPool(layers=4, batch=3, kv_heads=2, q_heads=4, head_dim=8, capacity=24, page_size=16,
-                  dtype=torch.float32, device=meta, positions=True, window=getattr(policy, "window", 0),
-                  summaries=False, grad=False)
-    cache = SparseKVCache(pool, policy=policy, backend=TorchBackend())
+    pool = KVPool(layers=4, batch=3, kv_heads=2, head_dim=8, capacity=24, page_size=16,
+                  dtype=torch.float32, device=meta, positions=True, grad=False)
+    state = policy.new_state(pool, q_heads=4, table=torch.full((32,), 8))
+    cache = SparseKVCache(pool, policy=policy, state=state, backend=TorchBackend())
     with _Syncs() as mode:
-        cache.compress(torch.tensor([8, 10, 12]), torch.tensor([11, 13, 12]), None)
+        cache.compress(torch.tensor([8, 10, 12]), torch.tensor([11, 13, 12]), torch.tensor([11, 13, 12]))
     assert mode.events == []
 
 
@@ -333,10 +333,10 @@ def test_aligned_chunks_give_todays_logprobs(policy, monkeypatch):
     resp = torch.randint(3, 128, (3, 12), generator=torch.Generator().manual_seed(7))
     kw = dict(policy=policy, budget=8, backend="torch", prefill_chunk=4, chunk_size=5)
     seen = []
-    step = Engine._step
+    plan = Engine.plan
 
-    def explicit(self, q_len, real, decode):
-        st = step(self, q_len, real, decode)
+    def explicit(self, q_len, real, **kw):
+        st = plan(self, q_len, real, **kw)
         if isinstance(st.mask, CausalBias):
             seen.append(q_len)
             counts = self.count.to(self.device)
@@ -344,7 +344,7 @@ def test_aligned_chunks_give_todays_logprobs(policy, monkeypatch):
         return st
 
     got = teacher_forced_logprobs(model, ids, resp, **kw)
-    monkeypatch.setattr(Engine, "_step", explicit)
+    monkeypatch.setattr(Engine, "plan", explicit)
     want = teacher_forced_logprobs(model, ids, resp, **kw)
     assert seen  # the aligned path ran
     torch.testing.assert_close(got.rollout_logp, want.rollout_logp, atol=1e-5, rtol=0)

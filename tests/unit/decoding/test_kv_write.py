@@ -86,9 +86,8 @@ class _Ops(TorchDispatchMode):
 @pytest.mark.parametrize("grad", [False, True])
 def test_the_pool_writes_through_the_op_without_grad(grad):
     """In place (no grad) the pool's K/V write is the one op; with grad it stays out of place."""
-    pool = KVPool(layers=2, batch=2, kv_heads=2, q_heads=4, head_dim=8, capacity=8, page_size=4,
-                  dtype=torch.float32, device=torch.device("cpu"), positions=False, window=0,
-                  summaries=False, grad=grad)
+    pool = KVPool(layers=2, batch=2, kv_heads=2, head_dim=8, capacity=8, page_size=4,
+                  dtype=torch.float32, device=torch.device("cpu"), positions=False, grad=grad)
     _, _, key, value, slots = _inputs(2, 2, 2, 3, 8, 12, dtype=torch.float32)
     with _Ops() as ops:
         pool.write(1, key, value, slots)

@@ -149,8 +149,9 @@ def test_graph_steps_close_over_no_engine(cpu_graphs):
     seen = []
     real = graphs_mod.DecodeGraphs._capture
 
-    def capture(self, e, ids):
-        c = real(self, e, ids)
+    def capture(self, spec, step, ids):
+        assert not isinstance(spec, engine_mod.Engine)  # an explicit spec, not the engine
+        c = real(self, spec, step, ids)
         seen.append((self, c))
         return c
 

@@ -1,24 +1,37 @@
 """The preallocated KV pool: indexed writes (padding to the scratch page), compaction of kept
-slots, observation windows, row selection, out-of-place updates with autograd; capacity."""
+slots, row selection, out-of-place updates with autograd; capacity. And what the policies keep
+beside it (their states): the observation ring, the page sums, the key norms, through the same
+writes, compactions and row selections."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sparsecorr.decoding import RKV, BlockTopK, Dense, StreamingLLM
+from sparsecorr.decoding import RKV, BlockTopK, Dense, SnapKV, StreamingLLM
 from sparsecorr.decoding.engine import pool_capacity
-from sparsecorr.decoding.pool import KVPool, ring_order, ring_slots
+from sparsecorr.decoding.policies import ring_order, ring_slots
+from sparsecorr.decoding.policies.snapkv import RingColumns
+from sparsecorr.decoding.pool import KVPool
+
+TABLE = torch.full((64,), 8)
 
 
-def _pool(grad=False, window=2):
-    return KVPool(layers=2, batch=2, kv_heads=2, q_heads=4, head_dim=3, capacity=10, page_size=4,
-                  dtype=torch.float32, device=torch.device("cpu"), positions=True, window=window,
-                  summaries=True, grad=grad)
+def _pool(grad=False, dtype=torch.float32, batch=2, head_dim=3, capacity=10, layers=2):
+    return KVPool(layers=layers, batch=batch, kv_heads=2, head_dim=head_dim, capacity=capacity, page_size=4,
+                  dtype=dtype, device=torch.device("cpu"), positions=True, grad=grad)
+
+
+def _ring(window, grad=False):
+    pool = _pool(grad=grad)
+    return pool, SnapKV(window=window).new_state(pool, q_heads=4, table=TABLE)
 
 
 def test_layout_and_writes_at_per_row_slots():
     pool = _pool()
     assert pool.capacity == 12 and pool.scratch == 12 and pool.pages_per_row == 4
-    assert pool.k[0].shape == (2, 2, 16, 3) and pool.summ[0].shape == (2, 2, 4, 3)
+    summ = BlockTopK(page_size=4).new_state(pool, q_heads=4, table=TABLE).summ
+    assert pool.k[0].shape == (2, 2, 16, 3) and summ[0].shape == (2, 2, 4, 3)
     key = torch.arange(2 * 2 * 3 * 3, dtype=torch.float32).reshape(2, 2, 3, 3)
     slots = torch.tensor([[0, 1, 2], [5, 6, 12]])  # row 1: 2 real tokens, padding -> scratch
     pool.write(0, key, -key, slots)
@@ -39,17 +52,18 @@ def test_compact_moves_kept_slots_to_the_front():
     assert torch.equal(pool.pos[0][..., :3], index + 100)
 
 
-def _push(pool, q, ctx, real):
-    pool.push_queries(0, q, ring_slots(ctx, real, q.shape[2], pool.window))
+def _push(ring, q, ctx, real):
+    step = SimpleNamespace(part=RingColumns(slots=ring_slots(ctx, real, q.shape[2], ring.window)))
+    ring.observe(0, q, step)
     return ctx + real
 
 
-def _in_order(pool, ctx):
-    return pool.windows_in_order(ring_order(ctx, pool.window))[0]
+def _in_order(ring, ctx):
+    return ring.windows_in_order(ring_order(ctx, ring.window))[0]
 
 
 def test_windows_keep_each_rows_last_real_queries():
-    pool = _pool(window=3)
+    _, pool = _ring(3)
     q = torch.arange(4, dtype=torch.float32)[None, None, :, None].expand(2, 4, 4, 3) + 1
     ctx = _push(pool, q, torch.tensor([0, 0]), torch.tensor([4, 2]))  # row 1: 2 real queries then padding
     assert _in_order(pool, ctx)[0, 0, :, 0].tolist() == [2.0, 3.0, 4.0]
@@ -73,7 +87,7 @@ def test_ring_window_equals_the_shift_window(window):
     """Ragged chunks of every length (shorter and longer than the window, padding, rows that
     feed nothing) and single tokens: the ring read in order equals the shifted window."""
     g = torch.Generator().manual_seed(window)
-    pool = _pool(window=window)
+    _, pool = _ring(window)
     b, hq, d = 2, 4, 3
     shift = torch.zeros(b, hq, window, d)
     ctx = torch.zeros(b, dtype=torch.long)
@@ -86,7 +100,8 @@ def test_ring_window_equals_the_shift_window(window):
 
 
 def test_select_rows_and_out_of_place_updates_with_grad():
-    pool = _pool(grad=True)
+    pool, ring = _ring(2, grad=True)
+    summ = BlockTopK(page_size=4).new_state(pool, q_heads=4, table=TABLE)
     key = torch.ones(2, 2, 1, 3, requires_grad=True)
     before = pool.k[0]
     pool.write(0, key * 2, key, torch.tensor([[0], [0]]))
@@ -94,8 +109,9 @@ def test_select_rows_and_out_of_place_updates_with_grad():
     pool.k[0].sum().backward()
     assert torch.equal(key.grad, torch.full_like(key, 2.0))
     pool.write_positions(torch.tensor([[3], [4]]), torch.tensor([[30], [40]]))
-    pool.select_rows(torch.tensor([1]))
-    assert all(t.shape[0] == 1 for t in (*pool.k, *pool.v, *pool.pos, *pool.win, *pool.summ))
+    for holder in (pool, ring, summ):
+        holder.select_rows(torch.tensor([1]))
+    assert all(t.shape[0] == 1 for t in (*pool.k, *pool.v, *pool.pos, *ring.win, *summ.summ))
     assert pool.pos[1][0, :, 4].tolist() == [40, 40] and pool.pos[1].data_ptr() != pool.pos[0].data_ptr()
     pool.write_positions(torch.tensor([[5]]), torch.tensor([[50]]))  # the views follow the selected rows
     assert pool.pos[0][0, :, 5].tolist() == [50, 50] and pool.pos[1][0, :, 5].tolist() == [50, 50]
@@ -113,20 +129,18 @@ def test_capacity_is_bounded_by_budget_plus_buffer_plus_chunk():
 
 
 def test_key_norms_follow_writes_compaction_and_row_selection():
-    """With `track_norms`, every valid slot's stored norm is the norm of the key it holds, after
+    """R-KV's state: every valid slot's stored norm is the norm of the key it holds, after
     chunked writes (padding to the scratch page), a compaction of every layer and a row selection."""
     g = torch.Generator().manual_seed(0)
-    pool = KVPool(layers=2, batch=3, kv_heads=2, q_heads=4, head_dim=5, capacity=12, page_size=4,
-                  dtype=torch.bfloat16, device=torch.device("cpu"), positions=True, window=0,
-                  summaries=False, grad=False)
-    pool.track_norms()
+    pool = _pool(dtype=torch.bfloat16, batch=3, head_dim=5, capacity=12)
+    state = RKV(window=2).new_state(pool, q_heads=4, table=TABLE)
     count = torch.zeros(3, dtype=torch.long)
 
     def check():
         for b in range(pool.k_all.shape[1]):
             n = int(count[b])
             want = torch.linalg.vector_norm(pool.k_all[:, b, :, :n], dim=-1, dtype=torch.float32)
-            assert torch.equal(pool.norms_all[:, b, :, :n], want)
+            assert torch.equal(state.norms_all[:, b, :, :n], want)
 
     for q_len in (5, 1, 3):
         real = torch.randint(0, q_len + 1, (3,), generator=g) if q_len < 5 else torch.full((3,), 5)
@@ -135,18 +149,20 @@ def test_key_norms_follow_writes_compaction_and_row_selection():
         for layer in range(2):
             key = torch.randn(3, 2, q_len, 5, generator=g).to(torch.bfloat16)
             pool.write(layer, key, key, slots)
-        pool.add_key_norms(slots)
+        state.all_written(SimpleNamespace(slots=slots))
         count += real
         check()
     k = 3  # of at least 5 slots per row
-    index = torch.stack([torch.randperm(5, generator=g)[:k].sort().values for _ in range(12)])
-    pool.compact_all(index.reshape(2, 3, 2, k))
+    index = torch.stack([torch.randperm(5, generator=g)[:k].sort().values for _ in range(12)]).reshape(2, 3, 2, k)
+    pool.compact_all(index)
+    state.compacted((None, None), index, torch.ones(index.shape, dtype=torch.bool), 0)
     count.fill_(k)
     check()
-    pool.select_rows(torch.tensor([2, 0]))
+    for holder in (pool, state):
+        holder.select_rows(torch.tensor([2, 0]))
     count = count[:2]
     check()
-    assert pool.norms_all.shape[1] == 2
+    assert state.norms_all.shape[1] == 2
 
 
 def test_select_rows_rewrites_the_stacked_buffers_in_place():
@@ -154,21 +170,22 @@ def test_select_rows_rewrites_the_stacked_buffers_in_place():
     order), in the buffers' own storage (no second pool), with contiguous [L, n, ...] results."""
     g = torch.Generator().manual_seed(1)
     pool = _pool()
-    pool.track_norms()
-    for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all", "norms_all"):
-        t = getattr(pool, name)
+    rkv = RKV(window=2).new_state(pool, q_heads=4, table=TABLE)
+    sel = BlockTopK(page_size=4).new_state(pool, q_heads=4, table=TABLE)
+    holders = {"k_all": pool, "v_all": pool, "pos_all": pool, "win_all": rkv, "summ_all": sel, "norms_all": rkv,
+               "unit_sum_all": rkv}
+    for name, holder in holders.items():
+        t = getattr(holder, name)
         t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype))
-    before = {name: getattr(pool, name).clone() for name in ("k_all", "v_all", "pos_all", "win_all", "summ_all",
-                                                              "norms_all")}
+    before = {name: getattr(holder, name).clone() for name, holder in holders.items()}
     ptr = pool.k_all.data_ptr()
-    pool.select_rows(torch.tensor([1]))
+    for holder in (pool, rkv, sel):
+        holder.select_rows(torch.tensor([1]))
     for name, old in before.items():
-        got = getattr(pool, name)
+        got = getattr(holders[name], name)
         assert got.is_contiguous() and torch.equal(got, old[:, [1]]), name
     assert pool.k_all.data_ptr() == ptr and torch.equal(pool.k[1], before["k_all"][1, [1]])
-    big = KVPool(layers=3, batch=4, kv_heads=2, q_heads=4, head_dim=3, capacity=8, page_size=4,
-                 dtype=torch.float32, device=torch.device("cpu"), positions=True, window=0,
-                 summaries=False, grad=False)
+    big = _pool(batch=4, capacity=8, layers=3)
     big.k_all.copy_(torch.randn(big.k_all.shape, generator=g))
     old = big.k_all.clone()
     for rows in (torch.tensor([0, 2, 3]), torch.tensor([2, 0])):  # ascending, then reordered

@@ -61,8 +61,8 @@ def test_the_check_catches_a_pool_out_of_position_order(checked):
     """The check above fails when a compaction does not keep position order."""
     from sparsecorr.decoding.pool import KVPool
 
-    pool = KVPool(layers=1, batch=1, kv_heads=1, q_heads=1, head_dim=2, capacity=8, page_size=4,
-                  dtype=torch.float32, device=torch.device("cpu"), positions=True, window=0, summaries=False,
+    pool = KVPool(layers=1, batch=1, kv_heads=1, head_dim=2, capacity=8, page_size=4,
+                  dtype=torch.float32, device=torch.device("cpu"), positions=True,
                   grad=False)
     pool.pos[0][0, 0, :4] = torch.tensor([0, 1, 2, 3])
     pool.compact(0, torch.tensor([[[3, 0, 1]]]))  # a kept set not sorted by slot

@@ -9,10 +9,11 @@ CUDA-graph step run by `EagerRunner`), through SDPA and through the paged oracle
 import pytest
 import torch
 
+import sparsecorr.decoding.policies.block_topk as topk_mod
 from sparsecorr.decoding import RKV, BlockTopK, SnapKV
 from sparsecorr.decoding.backends import PagedBackend, ReferenceDecodeKernel, TorchBackend
 from sparsecorr.decoding.cache import SparseKVCache
-from sparsecorr.decoding.pool import KVPool
+from sparsecorr.decoding.policies import RingState, SelectionState
 from tests.models import tiny_model
 from tests.unit.decoding.drive import decode_steps
 
@@ -38,12 +39,10 @@ def _backends():
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("backend", _backends(), ids=lambda b: b[0])
 def test_selection_plan_once_per_step_equals_per_layer(monkeypatch, backend, graphs):
-    """BlockTopK: the step's `SelectionPlan` (engine / captured forward) and the paged backend's
-    CSR offsets (begin_step) built once per step, against select_pages / scatter_selected_pages
-    building them in every layer."""
+    """BlockTopK: the step's `SelectionPlan` (its state's `derive`, in the planner or the captured
+    forward) and the paged backend's CSR offsets (begin_step) built once per step, against the
+    plan and the scatter's offsets built again in every sparse layer."""
     import sparsecorr.decoding.backends.paged as paged_mod
-    import sparsecorr.decoding.engine as engine_mod
-    import sparsecorr.decoding.graphs as graphs_mod
 
     model = tiny_model("qwen3", num_layers=3)
     ids = torch.randint(3, 128, (3, 21), generator=torch.Generator().manual_seed(0))
@@ -56,11 +55,21 @@ def test_selection_plan_once_per_step_equals_per_layer(monkeypatch, backend, gra
         ref_calls.append(offsets)
         return orig_scatter(*args, **kw)  # offsets rebuilt in the layer, as before
 
-    monkeypatch.setattr(engine_mod, "selection_plan", lambda *a, **k: None)
-    monkeypatch.setattr(graphs_mod, "selection_plan", lambda *a, **k: None)
+    attend, planned = SelectionState.attend, []
+
+    def per_layer_plan(self, cache, layer, *a):  # the plan made again in every sparse layer
+        part = cache.step.part
+        if part.select and layer >= self.policy.dense_layers:
+            part.plan = None
+            self.derive(part)
+            planned.append(layer)
+        return attend(self, cache, layer, *a)
+
+    monkeypatch.setattr(SelectionState, "attend", per_layer_plan)
     monkeypatch.setattr(paged_mod, "scatter_selected_pages", per_layer_scatter)
     ref = _decode(model, ids, policy, 8, backend=backend[1](), graphs=graphs)
     _same(got, ref)
+    assert len(planned) >= 2 * 11  # two sparse layers, every decode step
     if backend[0] == "paged":
         assert ref_calls and all(o is not None for o in ref_calls)  # today's code passed them
 
@@ -78,13 +87,21 @@ def test_ring_window_equals_the_shift_window(monkeypatch, policy, graphs):
     ids = torch.randint(3, 128, (3, 21), generator=torch.Generator().manual_seed(1))
     shift: dict = {}  # layer -> the window as it was kept before the ring (oldest first)
     checked = []
-    attend, in_order = SparseKVCache.attend, KVPool.windows_in_order
+    attend, in_order = SparseKVCache.attend, RingState.windows_in_order
+    import sparsecorr.decoding.engine as engine_mod
+
+    plan, real = engine_mod.Engine.plan, []
+
+    def planned(self, q_len, got_real, **kw):  # each forward's real tokens per row, for the shift
+        real[:] = [got_real]
+        return plan(self, q_len, got_real, **kw)
 
     def shifted(self, layer, query, key, value, scaling):
-        win = shift.get(layer, torch.zeros_like(self.pool.win[layer][:, :, :self.pool.window]))
+        ring = self.state
+        win = shift.get(layer, torch.zeros_like(ring.win[layer][:, :, :ring.window]))
         b, hq, w, d = win.shape
         both = torch.cat([win, query.detach().to(win.dtype)], dim=2)
-        idx = self.step.real[:, None] + torch.arange(w)
+        idx = real[0][:, None] + torch.arange(w)
         shift[layer] = both.gather(2, idx[:, None, :, None].expand(b, hq, w, d))
         return attend(self, layer, query, key, value, scaling)
 
@@ -97,8 +114,9 @@ def test_ring_window_equals_the_shift_window(monkeypatch, policy, graphs):
 
     events = []
     got = _decode(model, ids, policy, 8, backend=TorchBackend(), graphs=graphs, events=events)
+    monkeypatch.setattr(engine_mod.Engine, "plan", planned)
     monkeypatch.setattr(SparseKVCache, "attend", shifted)
-    monkeypatch.setattr(KVPool, "windows_in_order", compared)
+    monkeypatch.setattr(RingState, "windows_in_order", compared)
     ref = _decode(model, ids, policy, 8, backend=TorchBackend(), graphs=graphs, events=[])
     assert len(checked) >= 6 and len(events) >= 3  # compressions in prefill and in decode, every layer
     _same(got, ref)
@@ -116,11 +134,11 @@ def test_running_page_sums_select_todays_pages(monkeypatch, backend, graphs):
     model = tiny_model("qwen3", num_layers=3)
     ids = torch.randint(3, 128, (3, 21), generator=torch.Generator().manual_seed(2))
     policy = BlockTopK(page_size=4, dense_layers=1)
-    select, compared = cache_mod.select_pages, []
+    select, compared = topk_mod.select_pages, []
 
     def both(pol, *, summaries, query, **kw):
         cache = cache_mod._ACTIVE.get()
-        layer = next(i for i, s in enumerate(cache.pool.summ) if s is summaries)
+        layer = next(i for i, s in enumerate(cache.state.summ) if s is summaries)
         keys = cache.pool.k[layer]
         means = page_means(keys, page_size=cache.pool.page_size)  # every page's mean, as stored before
         got = select(pol, summaries=summaries, query=query, **kw)
@@ -129,22 +147,22 @@ def test_running_page_sums_select_todays_pages(monkeypatch, backend, graphs):
         compared.append(layer)
         return got
 
-    rank, ranked = cache_mod.rank_pages, []
+    rank, ranked = topk_mod.rank_pages, []
 
     def both_ranked(*, summaries, query, bias, k):  # the gather path: the kept entries, as sets
         cache = cache_mod._ACTIVE.get()
-        layer = next(i for i, s in enumerate(cache.pool.summ) if s is summaries)
+        layer = next(i for i, s in enumerate(cache.state.summ) if s is summaries)
         means = page_means(cache.pool.k[layer], page_size=cache.pool.page_size)
         got = rank(summaries=summaries, query=query, bias=bias, k=k)
         want = rank(summaries=means.contiguous(), query=query, bias=bias, k=k)
-        keep = cache.step.plan.keep[:, None, :, None]  # [B, 1, 1, 1]
+        keep = cache.step.part.plan.keep[:, None, :, None]  # [B, 1, 1, 1]
         first = torch.arange(k) < keep
         assert torch.equal(torch.where(first, got, -1).sort(-1).values, torch.where(first, want, -1).sort(-1).values)
         ranked.append(layer)
         return got
 
-    monkeypatch.setattr(cache_mod, "select_pages", both)
-    monkeypatch.setattr(cache_mod, "rank_pages", both_ranked)
+    monkeypatch.setattr(topk_mod, "select_pages", both)
+    monkeypatch.setattr(topk_mod, "rank_pages", both_ranked)
     _decode(model, ids, policy, 8, backend=backend[1](), graphs=graphs)
     assert len(compared) + len(ranked) >= 2 * 11  # two sparse layers, every decode step
 
@@ -153,16 +171,14 @@ def test_running_page_sums_select_todays_pages(monkeypatch, backend, graphs):
 @pytest.mark.parametrize("backend", _backends(), ids=lambda b: b[0])
 def test_page_sums_once_per_step_select_todays_pages(monkeypatch, backend, graphs):
     """BlockTopK: the page sums added to once per step for every layer (after the last layer's
-    write, `KVPool.add_page_sums`) give the tokens, log-probs and, in every sparse layer of every
+    write, `SelectionState.add_page_sums`) give the tokens, log-probs and, in every sparse layer of every
     step, the pages that the per-layer update (with each K write, as before) gives: 40 steps of
     4-token pages (crossing many page boundaries), ragged rows, a multi-page prefill."""
-    import sparsecorr.decoding.cache as cache_mod
-
     model = tiny_model("qwen3", num_layers=3)
     ids = torch.randint(3, 128, (3, 13), generator=torch.Generator().manual_seed(4))
     policy = BlockTopK(page_size=4, dense_layers=1)
     seen: dict[str, list] = {"got": [], "ref": []}
-    select, rank = cache_mod.select_pages, cache_mod.rank_pages
+    select, rank = topk_mod.select_pages, topk_mod.rank_pages
 
     def recorder(key):
         def sel(*a, **kw):
@@ -177,13 +193,13 @@ def test_page_sums_once_per_step_select_todays_pages(monkeypatch, backend, graph
         return sel, rk
 
     sel, rk = recorder("got")
-    monkeypatch.setattr(cache_mod, "select_pages", sel)
-    monkeypatch.setattr(cache_mod, "rank_pages", rk)
+    monkeypatch.setattr(topk_mod, "select_pages", sel)
+    monkeypatch.setattr(topk_mod, "rank_pages", rk)
     got = _decode(model, ids, policy, 12, backend=backend[1](), graphs=graphs, steps=40)
     sel, rk = recorder("ref")
-    monkeypatch.setattr(cache_mod, "select_pages", sel)
-    monkeypatch.setattr(cache_mod, "rank_pages", rk)
-    monkeypatch.setattr(SparseKVCache, "_page_sums_per_layer", lambda self, st: True)
+    monkeypatch.setattr(topk_mod, "select_pages", sel)
+    monkeypatch.setattr(topk_mod, "rank_pages", rk)
+    monkeypatch.setattr(SelectionState, "_per_layer", lambda self, st: True)
     ref = _decode(model, ids, policy, 12, backend=backend[1](), graphs=graphs, steps=40)
     _same(got, ref)
     assert len(seen["got"]) == len(seen["ref"]) >= 2 * 39
@@ -192,33 +208,39 @@ def test_page_sums_once_per_step_select_todays_pages(monkeypatch, backend, graph
 
 
 def test_running_page_sums_are_the_page_sums_of_the_pool():
-    """KVPool.write adds each written key to its page's float32 sum (padding to the scratch page)."""
+    """BlockTopK's state adds each written key to its page's float32 sum (padding to the scratch
+    page), layer by layer (with grad) or once per step for every layer."""
+    from types import SimpleNamespace
+
+    from sparsecorr.decoding.policies.block_topk import Selection
     from sparsecorr.decoding.pool import KVPool
 
     g = torch.Generator().manual_seed(0)
-    pool = KVPool(layers=1, batch=2, kv_heads=2, q_heads=4, head_dim=3, capacity=12, page_size=4,
-                  dtype=torch.bfloat16, device=torch.device("cpu"), positions=False, window=0,
-                  summaries=True, grad=False)
+    pool = KVPool(layers=1, batch=2, kv_heads=2, head_dim=3, capacity=12, page_size=4,
+                  dtype=torch.bfloat16, device=torch.device("cpu"), positions=False, grad=False)
+    state = BlockTopK(page_size=4).new_state(pool, q_heads=4, table=torch.full((32,), 8))
     count = torch.zeros(2, dtype=torch.long)
     for q_len in (5, 1, 3, 1, 1):
         real = torch.randint(0, q_len + 1, (2,), generator=g)
         i = torch.arange(q_len)
         slots = torch.where(i < real[:, None], count[:, None] + i, pool.scratch)
         key = torch.randn(2, 2, q_len, 3, generator=g).to(torch.bfloat16)
-        pool.write(0, key, key, slots, slots // pool.page_size)
+        step = SimpleNamespace(slots=slots, q_len=q_len, part=Selection(pages=slots // pool.page_size))
+        pool.write(0, key, key, slots)
+        state.written(0, key, step)
+        state.all_written(step)
         count += real
     for b in range(2):
         n = int(count[b]) // 4  # complete pages
         want = pool.k[0][b, :, :n * 4].float().reshape(2, n, 4, 3).sum(2)
-        torch.testing.assert_close(pool.summ[0][b, :, :n], want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(state.summ[0][b, :, :n], want, atol=1e-6, rtol=1e-6)
 
 
 def test_ranked_pages_and_step_mask_read_the_selected_slots():
     """The single-token gather path (`rank_pages`: own page first, no fill, no sort; the step's
     `gather_mask`) reads exactly the slots that `select_pages` (ascending page list, its ``ok``
     entries) selects, causally: random summaries, slots and budgets (dense rows too)."""
-    from sparsecorr.decoding.cache import gather_mask
-    from sparsecorr.decoding.policies import rank_pages, select_pages, selection_plan
+    from sparsecorr.decoding.policies import gather_mask, rank_pages, select_pages, selection_plan
 
     g = torch.Generator().manual_seed(3)
     ps, n_pages, b, h = 4, 9, 5, 2

@@ -1,4 +1,4 @@
-"""R-KV's sum of unit keys kept in the pool (`KVPool.sync_unit_sums`, `KVPool.keep_unit_sums`)
+"""R-KV's sum of unit keys kept beside the pool (`RKVState.sync_unit_sums`, `RKVState.keep_unit_sums`)
 equals the sum recomputed from the keys the pool holds, \\(\\sum_{j < \\mathrm{count}_b} k_j /
 \\max(\\lVert k_j\\rVert, 10^{-12})\\), at every compression event of a 200+-step decode: ragged
 prompts (padding written to the scratch page in the prefill chunk), several compressions per row,
@@ -10,6 +10,7 @@ import torch
 
 from sparsecorr.decoding import RKV
 from sparsecorr.decoding.cache import SparseKVCache
+from sparsecorr.decoding.policies import RKVState
 from sparsecorr.decoding.pool import KVPool
 from tests.models import tiny_model
 from tests.unit.decoding.drive import decode_steps
@@ -28,8 +29,8 @@ def _recomputed(pool, counts: torch.Tensor) -> torch.Tensor:
                          ids=["f32-eager-drop-evicted", "bf16-graph-runner-drop-evicted", "bf16-sum-kept"])
 def test_pool_unit_sums_equal_the_recomputed_sum_at_every_event(monkeypatch, dtype, graphs, budget, buffer):
     """Budget 16, buffer 4: each event evicts 4 of 20 keys, taken out of the sum
-    (`KVPool.drop_unit_sums`, so rounding accumulates over the events); budget 8, buffer 12: it
-    evicts 12 of 20, and the kept keys' sum is taken instead (`KVPool.keep_unit_sums`)."""
+    (`RKVState.drop_unit_sums`, so rounding accumulates over the events); budget 8, buffer 12: it
+    evicts 12 of 20, and the kept keys' sum is taken instead (`RKVState.keep_unit_sums`)."""
     model = tiny_model("qwen3", num_layers=2, dtype=dtype)
     ids = torch.randint(3, 128, (3, 12), generator=torch.Generator().manual_seed(0))
     lens = torch.tensor([12, 5, 9])  # ragged: rows 1 and 2 pad the prefill chunk
@@ -38,30 +39,30 @@ def test_pool_unit_sums_equal_the_recomputed_sum_at_every_event(monkeypatch, dty
 
     def checking(self, budgets, counts, *args, **kw):
         out = compress(self, budgets, counts, *args, **kw)
-        pool, after = self.pool, torch.minimum(counts, budgets)  # after the event: the kept keys' sum
+        pool, state, after = self.pool, self.state, torch.minimum(counts, budgets)  # after: the kept keys' sum
         # each unit term's error: ~2^-17 relative from the weights' split into two bf16 rows,
         # ~2^-24 float32 rounding; dropping evicted keys adds and subtracts ~300 terms over the
         # decode, so the error grows to ~1e-5 (measured: 1.7e-5 at most); 1e-4 is far below one unit
         # key (norm 1), which a padding key added or an evicted key not subtracted would change
-        torch.testing.assert_close(pool.unit_sum_all.double(), _recomputed(pool, after), rtol=0, atol=1e-4)
-        assert torch.equal(pool.unit_upto, after)
+        torch.testing.assert_close(state.unit_sum_all.double(), _recomputed(pool, after), rtol=0, atol=1e-4)
+        assert torch.equal(state.unit_upto, after)
         checked.append(int((counts > after).sum()))
         return out
 
-    sync = KVPool.sync_unit_sums
+    sync = RKVState.sync_unit_sums
     synced = []
 
     def checking_sync(self, counts, **kw):  # the sum the event scores with: every valid slot's
         sync(self, counts, **kw)
-        torch.testing.assert_close(self.unit_sum_all.double(), _recomputed(self, counts), rtol=0, atol=1e-4)
+        torch.testing.assert_close(self.unit_sum_all.double(), _recomputed(self.pool, counts), rtol=0, atol=1e-4)
         synced.append(1)
 
     monkeypatch.setattr(SparseKVCache, "compress", checking)
-    monkeypatch.setattr(KVPool, "sync_unit_sums", checking_sync)
+    monkeypatch.setattr(RKVState, "sync_unit_sums", checking_sync)
     routes = []
     for name in ("drop_unit_sums", "keep_unit_sums"):
-        fn = getattr(KVPool, name)
-        monkeypatch.setattr(KVPool, name, lambda self, *a, _fn=fn, _name=name, **kw: (routes.append(_name),
+        fn = getattr(RKVState, name)
+        monkeypatch.setattr(RKVState, name, lambda self, *a, _fn=fn, _name=name, **kw: (routes.append(_name),
                                                                                      _fn(self, *a, **kw))[1])
     decode_steps(model, ids, RKV(window=4, buffer=buffer), budget, graphs=graphs, steps=210, lens=lens)
     assert set(routes) == {"drop_unit_sums" if buffer < budget else "keep_unit_sums"}
@@ -71,19 +72,19 @@ def test_pool_unit_sums_equal_the_recomputed_sum_at_every_event(monkeypatch, dty
 def test_unit_sums_follow_row_selection_and_catch_up():
     """After a row selection (rows reordered), the next catch-up adds each row's own new keys."""
     g = torch.Generator().manual_seed(0)
-    pool = KVPool(layers=2, batch=3, kv_heads=2, q_heads=4, head_dim=8, capacity=16, page_size=4,
-                  dtype=torch.bfloat16, device=torch.device("cpu"), positions=True, window=0,
-                  summaries=False, grad=False)
-    pool.track_norms()
+    pool = KVPool(layers=2, batch=3, kv_heads=2, head_dim=8, capacity=16, page_size=4,
+                  dtype=torch.bfloat16, device=torch.device("cpu"), positions=True, grad=False)
+    state = RKV(window=2).new_state(pool, q_heads=4, table=torch.full((32,), 8))
     pool.k_all.copy_(torch.randn(pool.k_all.shape, generator=g))
-    pool.add_key_norms(torch.arange(pool.k_all.shape[3]).expand(3, -1))
+    state.add_key_norms(torch.arange(pool.k_all.shape[3]).expand(3, -1))
     counts = torch.tensor([7, 3, 10])
-    pool.sync_unit_sums(counts, low=3, high=10)
-    torch.testing.assert_close(pool.unit_sum_all.double(), _recomputed(pool, counts), rtol=0, atol=1e-4)
-    pool.select_rows(torch.tensor([2, 0]))
+    state.sync_unit_sums(counts, low=3, high=10)
+    torch.testing.assert_close(state.unit_sum_all.double(), _recomputed(pool, counts), rtol=0, atol=1e-4)
+    for holder in (pool, state):
+        holder.select_rows(torch.tensor([2, 0]))
     counts = torch.tensor([14, 12])  # new keys written since (rows 2 and 0 of before)
-    pool.sync_unit_sums(counts, low=12, high=14)
-    torch.testing.assert_close(pool.unit_sum_all.double(), _recomputed(pool, counts), rtol=0, atol=1e-4)
+    state.sync_unit_sums(counts, low=12, high=14)
+    torch.testing.assert_close(state.unit_sum_all.double(), _recomputed(pool, counts), rtol=0, atol=1e-4)
 
 
 # bf16 (~10 s idle) runs in make test-slow (CI); f32 stays in the default run
@@ -99,7 +100,7 @@ def test_unit_sums_drift_stays_rounding_over_a_long_decode(monkeypatch, dtype):
 
     def checking(self, budgets, counts, *args, **kw):
         out = compress(self, budgets, counts, *args, **kw)
-        error = self.pool.unit_sum_all.double() - _recomputed(self.pool, torch.minimum(counts, budgets))
+        error = self.state.unit_sum_all.double() - _recomputed(self.pool, torch.minimum(counts, budgets))
         errors.append(float(error.abs().max()))
         return out
 

@@ -11,10 +11,13 @@
 
 from __future__ import annotations
 
-from .base import KeepSet, KVPolicy, compress, group_scores
+from .base import EvictionPolicy, KeepSet, KVPolicy, compress, group_scores
 from .block_topk import (
     BlockTopK,
+    Selection,
     SelectionPlan,
+    SelectionState,
+    gather_mask,
     keep_counts,
     page_means,
     pages_to_mask,
@@ -23,15 +26,32 @@ from .block_topk import (
     selection_plan,
 )
 from .dense import Dense
-from .rkv import RKV, key_redundancy
-from .snapkv import SnapKV, pool_scores
+from .rkv import RKV, RKVState, key_redundancy
+from .snapkv import RingState, SnapKV, pool_scores, ring_order, ring_slots
+from .state import PlanInputs, PolicyState
 from .streaming_llm import StreamingLLM
 
-POLICIES = {p.name: p for p in (Dense, StreamingLLM, SnapKV, RKV, BlockTopK)}
+#: the registry: name -> policy class (`register_policy` adds one)
+POLICIES: dict[str, type[KVPolicy]] = {p.name: p for p in (Dense, StreamingLLM, SnapKV, RKV, BlockTopK)}
+
+
+def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
+    """Add a policy class to the registry under its ``name`` (usable as a class decorator): then
+    `get_policy`, the CLI's policy names and the registry-driven tests know it. A new policy is
+    one file (a `KVPolicy` subclass, with a `PolicyState` subclass where it keeps state of its
+    own) plus this call. Raises ``ValueError`` for a non-policy or a name already taken by
+    another class."""
+    if not (isinstance(cls, type) and issubclass(cls, KVPolicy)) or cls.name == KVPolicy.name:
+        raise ValueError(f"cls: expected a KVPolicy subclass with a name of its own, got {cls!r}")
+    if POLICIES.get(cls.name, cls) is not cls:
+        raise ValueError(f"cls: the name {cls.name!r} is taken by {POLICIES[cls.name].__name__}")
+    POLICIES[cls.name] = cls
+    return cls
 
 
 def get_policy(name: str, **kwargs: object) -> KVPolicy:
-    """A policy by name (``dense``, ``streaming_llm``, ``snapkv``, ``rkv``, ``block_topk``)."""
+    """A policy by name (``dense``, ``streaming_llm``, ``snapkv``, ``rkv``, ``block_topk``, or one
+    added by `register_policy`)."""
     if not isinstance(name, str) or name not in POLICIES:
         raise ValueError(f"name: expected one of {sorted(POLICIES)}, got {name!r}")
     try:
@@ -41,7 +61,8 @@ def get_policy(name: str, **kwargs: object) -> KVPolicy:
 
 
 __all__ = [
-    "POLICIES", "RKV", "BlockTopK", "Dense", "KVPolicy", "KeepSet", "SelectionPlan", "SnapKV", "StreamingLLM",
-    "compress", "get_policy", "group_scores", "keep_counts", "key_redundancy", "page_means",
-    "pages_to_mask", "pool_scores", "rank_pages", "select_pages", "selection_plan",
+    "POLICIES", "RKV", "BlockTopK", "Dense", "EvictionPolicy", "KVPolicy", "KeepSet", "PlanInputs", "PolicyState",
+    "RKVState", "RingState", "Selection", "SelectionPlan", "SelectionState", "SnapKV", "StreamingLLM", "compress",
+    "gather_mask", "get_policy", "group_scores", "keep_counts", "key_redundancy", "page_means", "pages_to_mask",
+    "pool_scores", "rank_pages", "register_policy", "ring_order", "ring_slots", "select_pages", "selection_plan",
 ]

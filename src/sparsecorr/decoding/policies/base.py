@@ -15,6 +15,7 @@ W queries, post-RoPE, ``H_q = H_kv · G``), valid ``[B, H_kv, S]`` bool, positio
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -22,9 +23,10 @@ import torch
 
 from ..._checks import check_int as _check_int
 from ..kernels import window_votes
+from .state import PolicyState
 
-__all__ = ["KVPolicy", "KeepSet", "check_int", "compress", "group_scores", "matmul_f32", "merge_rows",
-           "split_rows"]
+__all__ = ["EvictionPolicy", "KVPolicy", "KeepSet", "check_int", "compress", "group_scores", "matmul_f32",
+           "merge_rows", "split_rows"]
 
 Kind = Literal["dense", "eviction", "selection"]
 
@@ -37,16 +39,45 @@ def check_int(name: str, value: object, *, minimum: int) -> None:
 
 @dataclass(frozen=True)
 class KVPolicy:
-    """Base of every policy (frozen dataclasses). Eviction policies define ``sink``, ``window``
-    and ``buffer`` fields and `score`; selection policies define ``attend_mask``."""
+    """Base of every policy (frozen dataclasses): the declarations the engine reads and the
+    `PolicyState` it runs (``state_type``, made per call by `new_state`). Eviction policies
+    derive from `EvictionPolicy` and define `score`; a selection policy overrides the state's
+    hooks (BlockTopK). The defaults are the dense policy's."""
 
     name: ClassVar[str] = "base"
     kind: ClassVar[Kind] = "dense"
     key_norms: ClassVar[bool] = False  # score takes the pool's key norms (``key_norms=``)
+    #: the per-call state and hooks (`sparsecorr.decoding.policies.state.PolicyState`)
+    state_type: ClassVar[type[PolicyState]] = PolicyState
+    #: the pool keeps each slot's true position (heads keep different tokens after eviction)
+    tracks_positions: ClassVar[bool] = False
+    #: the budget is ignored (dense at every length)
+    ignores_budget: ClassVar[bool] = False
 
     @property
     def evicts(self) -> bool:
         return self.kind == "eviction"
+
+    @property
+    def pool_page_size(self) -> int:
+        """Slots per page of the pool (a paged kernel's page; 16 unless the policy selects pages)."""
+        return 16
+
+    def new_state(self, pool, *, q_heads: int, table: torch.Tensor) -> PolicyState:
+        """This policy's state for one call over ``pool`` (``table``: budget by context length)."""
+        return self.state_type(self, pool, q_heads=q_heads, table=table)
+
+    def due(self, count: torch.Tensor, ctx: torch.Tensor, *,
+            budget_at: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Which rows must be compressed, holding ``count`` valid slots after ``ctx`` tokens (any
+        shape, host; ``budget_at``: the budget by context length, -1 = dense), and their
+        budgets; None: never (nothing is computed, the default: the policy does not evict)."""
+        return None
+
+    def capacity(self, table: torch.Tensor, *, longest: int, chunk: int) -> int:
+        """Most slots a row can hold over contexts up to ``longest`` fed in chunks of ``chunk``
+        (``table``: budget by context length): the whole context unless the policy evicts."""
+        return longest
 
     def score(self, *, keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
               positions: torch.Tensor, query_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,6 +85,28 @@ class KVPolicy:
         observation-window queries are real (None = all; a row that has seen fewer than W tokens
         has fewer)."""
         raise NotImplementedError(f"{type(self).__name__} does not score tokens")
+
+
+@dataclass(frozen=True)
+class EvictionPolicy(KVPolicy):
+    """A policy that drops KV for good: when a row holds more than ``budget + buffer`` slots the
+    engine keeps the ``budget`` best-scored (`compress`). Subclasses define ``sink``, ``window``
+    and ``buffer`` fields and `score`."""
+
+    kind: ClassVar[Kind] = "eviction"
+    tracks_positions: ClassVar[bool] = True
+
+    def due(self, count, ctx, *, budget_at):
+        """Rows past ``budget + buffer`` (a budget of -1: dense at that length, never due)."""
+        budget = budget_at(ctx)
+        return (budget >= 0) & (count > budget + self.buffer), budget
+
+    def capacity(self, table: torch.Tensor, *, longest: int, chunk: int) -> int:
+        """``max budget + buffer + max(chunk, 1)`` (a chunk is fed before compressing), at most
+        the context; the whole context where some length is dense."""
+        if bool((table[1:longest + 1] < 0).any()):
+            return longest
+        return min(longest, int(table[1:longest + 1].max()) + self.buffer + max(chunk, 1))
 
 
 @dataclass(frozen=True)

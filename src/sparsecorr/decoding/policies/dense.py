@@ -16,3 +16,4 @@ class Dense(KVPolicy):
 
     name: ClassVar[str] = "dense"
     kind: ClassVar[Kind] = "dense"
+    ignores_budget: ClassVar[bool] = True

@@ -7,13 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from .base import Kind, KVPolicy, check_int
+from .base import EvictionPolicy, check_int
 
 __all__ = ["StreamingLLM"]
 
 
 @dataclass(frozen=True)
-class StreamingLLM(KVPolicy):
+class StreamingLLM(EvictionPolicy):
     """Keep the first ``sink`` tokens and the most recent ones (score = position).
 
     Eviction; cost O(1) per step beyond the kept window. ``window`` is the always-kept recent
@@ -24,7 +24,6 @@ class StreamingLLM(KVPolicy):
     """
 
     name: ClassVar[str] = "streaming_llm"
-    kind: ClassVar[Kind] = "eviction"
     sink: int = 4
     window: int = 0
     buffer: int = 0
