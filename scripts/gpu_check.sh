@@ -94,7 +94,7 @@ for s in "${STEPS[@]}"; do
     install) step install 240 bash -c install ;;
     memory) step memory 180 $PY -m pytest -q -s -m gpu tests/gpu/test_memory_gpu.py -p no:cacheprovider -rfEs \
                 -o addopts="" ;;
-    pytest) step pytest 300 $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rfEs -o addopts="" \
+    pytest) step pytest 300 $PY -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider -rfEs -o addopts="" \
                 --junitxml "$OUT/pytest-gpu.xml" ;;
     trl) if [ "$CPU" = 1 ]; then step trl 240 $PY benchmarks/bench_trl_step_gpu.py --smoke --out "$OUT/trl_step.jsonl"
          else step trl 300 $PY benchmarks/bench_trl_step_gpu.py --out "$OUT/trl_step.jsonl"; fi ;;
