@@ -128,7 +128,7 @@ class Engine:
         i = torch.arange(q_len)
         slots = torch.where(i < real[:, None], self.count[:, None] + i, self.pool.scratch)
         to_dev = (lambda t: t) if static else self._dev
-        part = state.plan(PlanInputs(count=self.count, ctx=self.ctx, real=real, slots=slots, q_len=q_len,
+        part = state.plan(PlanInputs(count=self.count, ctx=self.ctx, real=real, slots=slots, offsets=i, q_len=q_len,
                                      decode=decode, static=static, budget_at=self.budget_at, to_dev=to_dev))
         # a paged kernel has no backward: a grad-enabled forward stays on the autograd path
         paged = (bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode

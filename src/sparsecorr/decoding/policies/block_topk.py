@@ -281,7 +281,7 @@ class SelectionState(PolicyState):
         pol, dev = self.policy, inputs.to_dev
         part = Selection(pages=dev(inputs.slots // pol.page_size))
         if inputs.decode:
-            i = torch.arange(inputs.q_len)
+            i = inputs.offsets
             qslots = inputs.count[:, None] + i
             budgets = inputs.budget_at(inputs.ctx[:, None] + i + 1)
             keep = keep_counts(pol, slots=qslots, budgets=budgets)

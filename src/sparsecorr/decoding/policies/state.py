@@ -45,16 +45,18 @@ __all__ = ["PlanInputs", "PolicyState"]
 class PlanInputs:
     """What a step's planner knows on the host (read-only): ``count`` ``[B]`` valid slots per row
     before the forward, ``ctx`` ``[B]`` tokens fed per row, ``real`` ``[B]`` real tokens of the
-    chunk per row, ``slots`` ``[B, Q]`` the write slots, ``q_len``, ``decode``, ``static`` (a CUDA
+    chunk per row, ``slots`` ``[B, Q]`` the write slots, ``offsets`` ``[Q]`` the chunk's token
+    offsets (``arange(Q)``, made once per step), ``q_len``, ``decode``, ``static`` (a CUDA
     graph's fixed sizes), ``budget_at`` (budget by context length) and ``to_dev`` (a host tensor
     to the device without a sync; the identity when ``static``: the graph runner copies)."""
 
-    __slots__ = ("budget_at", "count", "ctx", "decode", "q_len", "real", "slots", "static", "to_dev")
+    __slots__ = ("budget_at", "count", "ctx", "decode", "offsets", "q_len", "real", "slots", "static", "to_dev")
 
     def __init__(self, *, count: torch.Tensor, ctx: torch.Tensor, real: torch.Tensor, slots: torch.Tensor,
-                 q_len: int, decode: bool, static: bool, budget_at: Callable[[torch.Tensor], torch.Tensor],
+                 offsets: torch.Tensor, q_len: int, decode: bool, static: bool,
+                 budget_at: Callable[[torch.Tensor], torch.Tensor],
                  to_dev: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.count, self.ctx, self.real, self.slots = count, ctx, real, slots
+        self.count, self.ctx, self.real, self.slots, self.offsets = count, ctx, real, slots, offsets
         self.q_len, self.decode, self.static = q_len, decode, static
         self.budget_at, self.to_dev = budget_at, to_dev
 
