@@ -168,8 +168,8 @@ class SparseKVCache(CacheBase):
         dev = pool.pos_all.device
         budgets_host, counts_host = budgets, counts
         budgets, counts = budgets.to(dev, non_blocking=True), counts.to(dev, non_blocking=True)  # once, not per layer
-        event = self.state.event(counts=counts, counts_host=counts_host, budgets_host=budgets_host, ctx=ctx,
-                                 forced=forced is not None)
+        event = self.state.event(counts=counts, counts_host=counts_host, budgets_host=budgets_host, most=s, top=top,
+                                 ctx=ctx, forced=forced is not None)
         # every layer in one call (the stacked pool); with grad (per-layer K/V tensors) one layer
         # at a time, so the keys are never copied into a stack
         group = n if pool.k_all is not None else 1

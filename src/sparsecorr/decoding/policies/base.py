@@ -222,10 +222,10 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     ``max_budget`` (the host-known maximum of ``budget``) lets a caller pass ``budget`` already on
     the device without a sync (the engine moves its budgets once per compression, not per layer).
     ``key_norms`` (``[B, H_kv, S]`` float32, \(\lVert k_j\rVert\) with float32 accumulation, as the
-    engine's pool keeps them: `sparsecorr.decoding.pool.KVPool.add_key_norms`) is passed to
+    engine keeps them beside the pool: `sparsecorr.decoding.policies.rkv.RKVState.add_key_norms`) is passed to
     ``policy.score`` only when given, and only policies with ``key_norms = True`` (R-KV) take it;
-    so is ``unit_sum`` (``[B, H_kv, 1, D]`` float32, R-KV's sum of the valid unit keys as the pool
-    keeps it: `sparsecorr.decoding.pool.KVPool.sync_unit_sums`).
+    so is ``unit_sum`` (``[B, H_kv, 1, D]`` float32, R-KV's sum of the valid unit keys as its
+    state keeps it: `sparsecorr.decoding.policies.rkv.RKVState.sync_unit_sums`).
 
     **Slot order is position order**: the valid slots of a row must hold increasing positions
     (the engine's pool keeps this: compaction keeps the kept slots in position order and new

@@ -292,18 +292,18 @@ class RKVState(RingState):
         self.unit_sum_all.copy_(self._unit_weighted_sum(w, 0))
         self.unit_upto, self.unit_lo = counts, low
 
-    def event(self, *, counts, counts_host, budgets_host, ctx, forced):
-        ring = super().event(counts=counts, counts_host=counts_host, budgets_host=budgets_host, ctx=ctx,
-                             forced=forced)
+    def event(self, *, counts, counts_host, budgets_host, most, top, ctx, forced):
+        ring = super().event(counts=counts, counts_host=counts_host, budgets_host=budgets_host, most=most, top=top,
+                             ctx=ctx, forced=forced)
         if self.norms_all is None:
             return ring, None
-        self.sync_unit_sums(counts, low=int(counts_host.min()), high=int(counts_host.max()))
+        self.sync_unit_sums(counts, low=int(counts_host.min()), high=most)
         left = torch.minimum(counts_host, budgets_host)  # the valid slots per row after the event
         # drop the evicted keys' unit sum (gathered: ~3 reads / writes of each) or sum the kept
         # keys (one read), whichever touches fewer keys
         evicted = int((counts_host - left).max())
         return ring, UnitSumUpdate(counts=left.to(counts.device, non_blocking=True), low=int(left.min()),
-                                   evicted=evicted, drop=3 * evicted < int(budgets_host.max()))
+                                   evicted=evicted, drop=3 * evicted < top)
 
     def score_inputs(self, event, keys, first, stop, s) -> dict:
         ring, _ = event

@@ -135,10 +135,10 @@ class RingState(PolicyState):
         n, b, hq, _, d = win.shape
         return win.gather(3, order[None, :, None, :, None].expand(n, b, hq, order.shape[1], d))
 
-    def event(self, *, counts, counts_host, budgets_host, ctx, forced) -> RingEvent:
+    def event(self, *, counts, counts_host, budgets_host, most, top, ctx, forced) -> RingEvent:
         w, dev = self.window, self.win_all.device
         qv = None
-        if bool((ctx < w).any()):  # a row that has not seen a full window yet
+        if int(ctx.min()) < w:  # a row that has not seen a full window yet
             qv = (torch.arange(w) >= w - ctx.clamp(max=w)[:, None]).to(dev, non_blocking=True)
         # the ring's columns oldest first (`ring_order`), only where the policy scores
         order = None if forced else torch.remainder(ctx[:, None] + self._columns, w).to(dev, non_blocking=True)

@@ -121,10 +121,11 @@ class PolicyState:
 
     # -- compression ------------------------------------------------------------------------
     def event(self, *, counts: torch.Tensor, counts_host: torch.Tensor, budgets_host: torch.Tensor,
-              ctx: torch.Tensor, forced: bool) -> Any:
+              most: int, top: int, ctx: torch.Tensor, forced: bool) -> Any:
         """Once per compression event, before any layer is scored: ``counts`` ``[B]`` (device) and
-        ``counts_host`` valid slots per row, ``budgets_host`` slots each row keeps, ``ctx`` tokens
-        fed per row (host), ``forced``: a replay of recorded kept sets (nothing is scored)."""
+        ``counts_host`` valid slots per row (``most``: their maximum), ``budgets_host`` slots each
+        row keeps (``top``: their maximum), ``ctx`` tokens fed per row (host), ``forced``: a
+        replay of recorded kept sets (nothing is scored)."""
         return None
 
     def score_inputs(self, event: Any, keys: torch.Tensor, first: int, stop: int, s: int) -> dict:
