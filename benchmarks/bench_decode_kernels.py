@@ -458,9 +458,18 @@ def event_counts(policy, shape: dict, device: str, layers: int, *, steady: bool 
             setattr(state, name, _counted(getattr(state, name), unit[name]))
     # every row has seen a full window: the ring is read in order, no query masked
     ctx = torch.full((b,), s)
+    # the ring's preparation of the event (its time order, the window mask), counted apart too:
+    # the engine made it outside this call before the policies held their own state
+    from sparsecorr.decoding.policies import RingState
+
+    ring, ring_event = KernelCounter(), RingState.event
+    RingState.event = _counted(ring_event, ring)
     counter = KernelCounter()
-    with counter:
-        cache.compress(budgets, counts, ctx)
+    try:
+        with counter:
+            cache.compress(budgets, counts, ctx)
+    finally:
+        RingState.event = ring_event
     key_bytes = layers * b * shape["h"] * s * shape["d"] * 2
     # the compaction (the pool's compact / compact_all, and R-KV's key norms compacted with the
     # keys) apart: the target is on the scoring and kept sets
@@ -475,7 +484,7 @@ def event_counts(policy, shape: dict, device: str, layers: int, *, steady: bool 
             "ratio_gathered": scoring_g / key_bytes, "compaction_bytes_gathered": comp_g / layers,
             "unit_sums": {k: {"ops": c.total / layers, "ratio": c.bytes / key_bytes,
                               "ratio_gathered": c.bytes_gathered / key_bytes} for k, c in unit.items()},
-            "by_op": dict(counter.by_op), "layers": layers}
+            "ring_event_ops": ring.total / layers, "by_op": dict(counter.by_op), "layers": layers}
 
 
 def compaction_counts(shape: dict, layers: int = 1) -> dict:
@@ -720,6 +729,13 @@ def print_tables(result: dict) -> None:
             print(f"- {r['policy']}: MiB and / keys without the compaction; the compaction adds "
                   f"{_fmt(m['compaction_ops'])} ops and {m['compaction_bytes'] / 2**20:.0f} MiB per layer (CUDA ops); "
                   f"counting only the elements a gather reads: {m['ratio_gathered']:.2f}x the keys")
+            c = r.get("cpu", {})
+            if m.get("ring_event_ops"):
+                print(f"  - of which `RingState.event` (the observation ring's time order and window mask, which "
+                      f"the engine made before this call when the pool held the ring): {c['ring_event_ops']:.2f} "
+                      f"CPU ops, {m['ring_event_ops']:.2f} CUDA ops per layer; the event without it: "
+                      f"{c['ops'] - c['ring_event_ops']:.2f} CPU ops, {m['ops'] - m['ring_event_ops']:.2f} "
+                      f"CUDA ops per layer")
             for name, u in m.get("unit_sums", {}).items():
                 print(f"  - of which `RKVState.{name}` (R-KV's unit-key sums, kept beside the pool): "
                       f"{_fmt(u['ops'])} ops, {u['ratio']:.2f}x the keys per layer "
