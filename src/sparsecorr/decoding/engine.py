@@ -25,7 +25,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from .backends import AttentionBackend
 from .cache import SparseKVCache, Step
-from .graphs import CaptureSpec
+from .fused import fused_status
+from .graphs import CaptureSpec, DecodeGraphs
 from .hf import forward, model_spec
 from .policies import KVPolicy
 from .policies.state import PlanInputs
@@ -88,9 +89,6 @@ class Engine:
                                    group=self.heads_q // self.heads_kv, head_dim=self.head_dim)
         self.graphs = None
         if cuda_graph:
-            from .fused import fused_status
-            from .graphs import DecodeGraphs
-
             # a fused step that failed for this model state before is not attempted again
             self.graphs = DecodeGraphs(fused=fused_status(model) if fused else "off")
 

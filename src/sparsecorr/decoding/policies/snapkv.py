@@ -64,15 +64,17 @@ def ring_slots(ctx: torch.Tensor, real: torch.Tensor, q_len: int, window: int) -
     return torch.where(keep, (ctx[:, None] + i) % window, window)
 
 
-def ring_order(ctx: torch.Tensor, window: int) -> torch.Tensor:
+def ring_order(ctx: torch.Tensor, window: int, *, columns: torch.Tensor | None = None) -> torch.Tensor:
     """Ring columns in time order (oldest first) after ``ctx_b`` tokens: column
     ``(ctx_b + t) mod W`` holds the ``t``-th oldest of the last ``W`` positions
-    (``ctx_b - W + t``; an unseen one while ``ctx_b < W``).
+    (``ctx_b - W + t``; an unseen one while ``ctx_b < W``). ``columns``: ``arange(W)`` if the
+    caller keeps one (made here otherwise).
 
     Shapes:
         ctx ``[B]`` (CPU long) -> ``[B, W]``.
     """
-    return (ctx[:, None] + torch.arange(window)) % window
+    columns = torch.arange(window) if columns is None else columns
+    return (ctx[:, None] + columns) % window
 
 
 @dataclass
@@ -140,8 +142,8 @@ class RingState(PolicyState):
         qv = None
         if int(ctx.min()) < w:  # a row that has not seen a full window yet
             qv = (torch.arange(w) >= w - ctx.clamp(max=w)[:, None]).to(dev, non_blocking=True)
-        # the ring's columns oldest first (`ring_order`), only where the policy scores
-        order = None if forced else torch.remainder(ctx[:, None] + self._columns, w).to(dev, non_blocking=True)
+        # the ring's columns oldest first, only where the policy scores
+        order = None if forced else ring_order(ctx, w, columns=self._columns).to(dev, non_blocking=True)
         return RingEvent(order=order, query_valid=qv)
 
     def score_inputs(self, event: RingEvent, keys: torch.Tensor, first: int, stop: int, s: int) -> dict:

@@ -32,6 +32,7 @@ heads, ``S`` slots, ``W`` the observation window).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["PlanInputs", "PolicyState"]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PlanInputs:
     """What a step's planner knows on the host (read-only): ``count`` ``[B]`` valid slots per row
     before the forward, ``ctx`` ``[B]`` tokens fed per row, ``real`` ``[B]`` real tokens of the
@@ -50,15 +52,16 @@ class PlanInputs:
     graph's fixed sizes), ``budget_at`` (budget by context length) and ``to_dev`` (a host tensor
     to the device without a sync; the identity when ``static``: the graph runner copies)."""
 
-    __slots__ = ("budget_at", "count", "ctx", "decode", "offsets", "q_len", "real", "slots", "static", "to_dev")
-
-    def __init__(self, *, count: torch.Tensor, ctx: torch.Tensor, real: torch.Tensor, slots: torch.Tensor,
-                 offsets: torch.Tensor, q_len: int, decode: bool, static: bool,
-                 budget_at: Callable[[torch.Tensor], torch.Tensor],
-                 to_dev: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.count, self.ctx, self.real, self.slots, self.offsets = count, ctx, real, slots, offsets
-        self.q_len, self.decode, self.static = q_len, decode, static
-        self.budget_at, self.to_dev = budget_at, to_dev
+    count: torch.Tensor
+    ctx: torch.Tensor
+    real: torch.Tensor
+    slots: torch.Tensor
+    offsets: torch.Tensor
+    q_len: int
+    decode: bool
+    static: bool
+    budget_at: Callable[[torch.Tensor], torch.Tensor]
+    to_dev: Callable[[torch.Tensor], torch.Tensor]
 
 
 class PolicyState:
