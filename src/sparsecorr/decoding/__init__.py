@@ -8,6 +8,7 @@
 from .generate import generate, teacher_forced_logprobs
 from .policies import RKV, BlockTopK, Dense, KVPolicy, SnapKV, StreamingLLM, get_policy
 from .rollout import KeptAgreement, KeptSets, RolloutBatch
+from .scheduler import MemoryPlan, RequestOutput, RequestParams, Scheduler
 
 __all__ = [
     "RKV",
@@ -16,7 +17,11 @@ __all__ = [
     "KVPolicy",
     "KeptAgreement",
     "KeptSets",
+    "MemoryPlan",
+    "RequestOutput",
+    "RequestParams",
     "RolloutBatch",
+    "Scheduler",
     "SnapKV",
     "StreamingLLM",
     "generate",
