@@ -7,7 +7,9 @@ module never fails quietly:
 - `install` first checks the installed verl against the tested one (`check_verl`): a different
   version is logged at WARNING; a changed hook signature raises `VerlMismatchError`, logged at
   WARNING here before verl can swallow it, and nothing is installed;
-- then it registers the policy loss ``sparsecorr`` in verl's registry and wraps
+- then it registers the policy loss ``sparsecorr`` and the advantage estimator
+  ``sparsecorr_grpo`` (`sparsecorr_verl.advantage`: GRPO with the rows the correction vetoed
+  whole left out of the group statistics) in verl's registries, and wraps
   ``rollout_corr_helper.compute_rollout_correction_and_add_to_batch`` (logged at INFO). The
   wrapper only acts when ``algorithm.rollout_correction.sparsecorr`` is set; `uninstall`
   restores verl's function;
@@ -37,6 +39,7 @@ import os
 import sys
 from typing import Any
 
+from . import advantage
 from .check import check_verl
 from .correction import driver_spec, rollout_correction
 from .loss import LOSS_MODE, sparsecorr_policy_loss
@@ -123,7 +126,8 @@ def installed() -> bool:
 
 
 def install(*, strict: bool | None = None) -> None:
-    """Check verl, register ``loss_mode="sparsecorr"``, wrap the rollout correction and
+    """Check verl, register ``loss_mode="sparsecorr"`` and ``algorithm.adv_estimator=
+    "sparsecorr_grpo"``, wrap the rollout correction and
     register ``rollout.name="sparsecorr"`` (when Ray is installed).
 
     Idempotent. Raises `VerlMismatchError` on a changed hook (and, with ``strict``, on a
@@ -138,6 +142,7 @@ def install(*, strict: bool | None = None) -> None:
             raise VerlMismatchError(f"{note} (SPARSECORR_VERL_STRICT=1)")
         logger.warning("sparsecorr-verl: %s; the hooks match, loading anyway", note)
     core_algos.register_policy_loss(LOSS_MODE)(sparsecorr_policy_loss)
+    advantage.register(core_algos)
     _register_rollout()
     if hasattr(getattr(rc, _HOOK), _MARK):
         return
@@ -147,13 +152,15 @@ def install(*, strict: bool | None = None) -> None:
         mod = sys.modules.get(name)
         if mod is not None and getattr(mod, _HOOK, None) is getattr(wrapper, _MARK):
             setattr(mod, _HOOK, wrapper)
-    logger.info("sparsecorr-verl: registered policy loss %r and wrapped verl.trainer.ppo."
-                "rollout_corr_helper.%s (active when algorithm.rollout_correction.sparsecorr is "
-                "set; sparsecorr_verl.plugin.uninstall() restores it)", LOSS_MODE, _HOOK)
+    logger.info("sparsecorr-verl: registered policy loss %r, advantage estimator %r and wrapped "
+                "verl.trainer.ppo.rollout_corr_helper.%s (active when algorithm.rollout_correction."
+                "sparsecorr is set; sparsecorr_verl.plugin.uninstall() restores it)", LOSS_MODE,
+                advantage.ADV_ESTIMATOR, _HOOK)
 
 
 def uninstall() -> None:
-    """Restore verl's rollout-correction function and drop the ``sparsecorr`` loss."""
+    """Restore verl's rollout-correction function and drop the ``sparsecorr`` loss and the
+    ``sparsecorr_grpo`` estimator."""
     core_algos, rc = _verl_modules()
     wrapper = getattr(rc, _HOOK, None)
     original = getattr(wrapper, _MARK, None)
@@ -164,6 +171,7 @@ def uninstall() -> None:
             if mod is not None and getattr(mod, _HOOK, None) is wrapper:
                 setattr(mod, _HOOK, original)
     core_algos.POLICY_LOSS_REGISTRY.pop(LOSS_MODE, None)
+    advantage.unregister(core_algos)
     if _ray_available():
         replicas, adapters = _rollout_registries()
         if getattr(replicas, "_registry", {}).get(ROLLOUT_NAME) is _load_replica:
