@@ -209,11 +209,18 @@ class Engine:
     def select_rows(self, keep: torch.Tensor) -> torch.Tensor:
         """Keep the rows where ``keep`` (CPU bool ``[B]``) is True; returns their indices."""
         rows = keep.nonzero().squeeze(1)
-        on_dev = rows.to(self.device)
+        self.take_rows(rows)
+        return rows
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Rows ``index`` (CPU long ``[B']``, duplicates allowed) of the pool, of the policy's
+        state (`PolicyState.select_rows`) and of the host bookkeeping, in place where ``B' <= B``
+        (`sparsecorr.decoding.pool.take_rows`). The scheduler resets a row by taking a never-fed
+        row into it (``index = [0, 1, P, 3, ...]``), so no policy needs a reset hook."""
+        on_dev = index.to(self.device)
         self.pool.select_rows(on_dev)
         self.cache.state.select_rows(on_dev)
-        self.count, self.ctx, self.rows = self.count[rows], self.ctx[rows], self.rows[rows]
-        return rows
+        self.count, self.ctx, self.rows = self.count[index], self.ctx[index], self.rows[index]
 
     def close(self) -> None:
         """Drop the graphs, the pool and the cache (with the backend's plans and buffers), so

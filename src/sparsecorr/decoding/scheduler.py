@@ -1,39 +1,55 @@
 r"""A continuous-batching scheduler over one `Engine`: requests join and leave a running batch.
 
 The scheduler drives one [`Engine`][sparsecorr.decoding.engine.Engine] at a FIXED batch of
-``plan.rows`` slots (plus one never-fed *pristine* row): free slots are fed ``real = 0`` (their
-tokens go to the scratch page), so every forward has one batch size. Each `step`:
+``plan.rows`` slots plus one never-fed *pristine* row (the last): a free slot is fed
+``real = 0`` (its padding goes to the scratch page, as CUDA-graph decoding feeds its finished
+dummy rows), so every forward has one batch size. Each `step`:
 
-1. **admit** waiting requests into free slots: the slot's pool row and policy state are reset
-   by copying the pristine row into it (`Engine.take_rows`, an index such as
-   ``[0, 1, P, 3, P]``), so no policy needs a reset hook;
-2. **one forward**: a prefill chunk of ``prefill_chunk`` tokens for the rows still reading their
-   prompt (``real = chunk``, every other row ``real = 0``: decoding rows wait one forward), else
-   one token for every decoding row; ``compress_due`` after it, as ``generate`` does;
-3. **sample** each row with its own request's parameters (`sample_rows`);
-4. **retire** the rows that sampled a stop token or reached ``max_tokens`` at once: their slot
-   is free for the next step.
+1. **admit** waiting requests (first come, first served) into free slots: each admitted slot's
+   pool row and policy state are reset by taking the pristine row into it (`Engine.take_rows`
+   with an index such as ``[0, 1, P, 3, P]``: no policy needs a reset hook);
+2. **one forward**: while some row still reads its prompt, a prefill chunk (up to
+   ``prefill_chunk`` tokens of each such row, ``real = 0`` for the others: decoding rows wait
+   one forward, so a forward is never mixed and each row's tokens see the forward kinds they see
+   alone, which matters to a selection policy that attends differently in prefill and decode);
+   else one token for every decoding row. ``compress_due`` runs after it, as in ``generate``;
+3. **sample** each row whose logits are ready with its own request's parameters
+   (`sparsecorr.decoding.sampling.sample_rows`);
+4. **retire** at once the rows that sampled a stop token or reached ``max_tokens``: the slot is
+   free for the next step's admission.
 
-A seeded request owns a ``torch.Generator`` seeded with its seed and draws its own noise, so its
-tokens do not depend on who shares its steps or when it arrived (and neither do its log-probs,
-up to the parity tests' tolerances: a row's arithmetic does not read its neighbours).
+A row's arithmetic reads nothing of its neighbours (its own slots, its own policy state), and a
+seeded request owns a ``torch.Generator`` seeded with its seed, so a request's tokens do not
+depend on who shares its steps or when it arrived (log-probs: up to float rounding of different
+batch shapes). The memory plan (`sparsecorr.decoding.memory`) sizes ``plan.rows``.
 
-The memory plan (`plan_memory`) sizes ``plan.rows`` from ``max_num_seqs``, ``max_kv_bytes`` or
-the device's free memory and one row's bytes (pool + policy state at the policy's capacity at
-``max_model_len``).
+Cost: every forward runs over all ``plan.rows + 1`` rows (free rows as padding), so a prefill
+chunk for one new row costs ``(rows + 1) · chunk`` tokens of MLP; admission copies the pool once
+(`take_rows`, one layer at a time).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from .._checks import check_int, check_number, is_int
+from .backends import select_backend
+from .cache import ATTN_NAME, active_cache
+from .engine import Engine
+from .hf import check_transformers, eval_modules, model_spec, sparse_attention
+from .loops import device_generator
+from .memory import MemoryPlan, plan_memory, row_bytes
+from .policies import KVPolicy
+from .sampling import RowSampling, sample_rows
+from .validate import budget_table, vocab_size
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-    from .policies import KVPolicy
 
 __all__ = ["MemoryPlan", "RequestOutput", "RequestParams", "Scheduler"]
 
@@ -47,7 +63,7 @@ class RequestParams:
         temperature: 0 = greedy (log-probs then of the untempered model), as ``generate``.
         top_k: sample from the top-k support (None = off).
         top_p: nucleus in (0, 1] (None = off).
-        logprobs: top-k log-probs recorded per token (0 = none).
+        logprobs: top-k log-probs recorded per token (0 = none; capped at the vocabulary).
         seed: a request-owned RNG: its tokens never depend on neighbours or arrival.
         stop_token_ids: tokens that end the request (None = the scheduler's ``eos_token_id``).
         ignore_eos: decode exactly ``max_tokens``.
@@ -61,6 +77,21 @@ class RequestParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("max_tokens", self.max_tokens, low=1)
+        check_number("temperature", self.temperature, low=0, why=" (0 = greedy)")
+        check_int("top_k", self.top_k, low=1, allow_none=True, why=" (None = no truncation)")
+        check_number("top_p", self.top_p, low=0, high=1, low_open=True, allow_none=True, why=" (1 = no truncation)")
+        check_int("logprobs", self.logprobs, low=0, why=" (0 = none)")
+        check_int("seed", self.seed, low=0, allow_none=True)
+        stops = self.stop_token_ids
+        if stops is not None:
+            if not isinstance(stops, (list, tuple)) or not all(is_int(t) and t >= 0 for t in stops):
+                raise ValueError(f"stop_token_ids: expected None or a tuple of token ids, got {stops!r}")
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,88 +112,296 @@ class RequestOutput:
     topk_ids: torch.Tensor | None
     finish_reason: str  # "eos" | "length" | "aborted" | "error"
     error: BaseException | None = None
+    kv_kept: tuple[float, ...] = ()  # mean attended KV slots when each token was fed (0: not fed)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MemoryPlan:
-    """How many rows fit.
+@dataclass(eq=False)
+class _Request:
+    """A request's running state (host)."""
 
-    Attributes:
-        rows: most rows resident at once.
-        row_bytes: KV pool + policy-state bytes of one row.
-        capacity: KV slots per row (``KVPolicy.capacity`` at ``max_model_len``).
-        bytes_allowed: the byte bound used (None: only ``max_num_seqs`` bounded it).
-        source: ``"max_num_seqs"`` | ``"max_kv_bytes"`` | ``"free memory"``.
-    """
+    id: str
+    prompt: torch.Tensor  # CPU long [P]
+    params: RequestParams
+    stops: frozenset[int]
+    samp: RowSampling
+    fed: int = 0  # prompt tokens fed
+    slot: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    top: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
 
-    rows: int
-    row_bytes: int
-    capacity: int
-    bytes_allowed: int | None
-    source: str
+    def output(self, reason: str, error: BaseException | None = None) -> RequestOutput:
+        k = self.samp.logprobs
+        tv = ti = None
+        if k:
+            tv = torch.stack([v for v, _ in self.top]) if self.top else torch.zeros(0, k)
+            ti = torch.stack([i for _, i in self.top]) if self.top else torch.zeros(0, k, dtype=torch.long)
+        kept = self.kept + [0.0] * (len(self.tokens) - len(self.kept))
+        return RequestOutput(request_id=self.id, prompt_ids=tuple(self.prompt.tolist()), token_ids=tuple(self.tokens),
+                             logprobs=torch.tensor(self.logps, dtype=torch.float32), topk_logp=tv, topk_ids=ti,
+                             finish_reason=reason, error=error, kv_kept=tuple(kept))
 
 
 class Scheduler:
     """Continuous batching over one engine (NOT thread-safe: one thread calls it).
 
     Args:
-        model: the Hugging Face causal LM.
+        model: the Hugging Face causal LM (kept in eval mode during each step).
         policy: the KV policy; budget: as ``generate``'s.
         max_model_len: most tokens (prompt + response) of one request; sizes each row.
-        backend, cuda_graph, fused, prefill_chunk: as ``generate``'s.
+        backend, cuda_graph, fused, prefill_chunk: as ``generate``'s (``fused=None``: on with
+            ``cuda_graph``).
         max_num_seqs: most rows resident at once (None = the memory plan decides).
-        max_kv_bytes: bytes the pool and policy state may take (None = free device memory).
+        max_kv_bytes: bytes the pool and the policy's state may take (None = free device memory
+            on CUDA; on another device, without either cap, 64 rows: `sparsecorr.decoding.memory`).
         eos_token_id: default stop tokens (a request's ``stop_token_ids`` overrides).
-        generator: the RNG of unseeded sampling requests.
+        generator: the RNG of sampling requests without a seed.
     """
 
     def __init__(self, model: PreTrainedModel, *, policy: KVPolicy, budget, max_model_len: int,
                  backend: str = "auto", cuda_graph: bool = False, fused: bool | None = None,
                  prefill_chunk: int = 512, max_num_seqs: int | None = None, max_kv_bytes: int | None = None,
                  eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None) -> None:
-        raise NotImplementedError
+        check_transformers()
+        if not isinstance(policy, KVPolicy):
+            raise ValueError(f"policy: expected a KVPolicy (Dense(), RKV(), ...), got {type(policy).__name__}")
+        check_int("max_model_len", max_model_len, low=2)
+        check_int("prefill_chunk", prefill_chunk, low=1)
+        if cuda_graph not in (True, False):
+            raise ValueError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
+        if (fused is not None and not isinstance(fused, bool)) or (fused and not cuda_graph):
+            raise ValueError(f"fused: expected None, or a bool with cuda_graph=True, got {fused!r}")
+        eos = [] if eos_token_id is None else [eos_token_id] if is_int(eos_token_id) else eos_token_id
+        if not isinstance(eos, (list, tuple, set)) or not all(is_int(t) for t in eos):
+            raise ValueError(f"eos_token_id: expected None, an int or a list of ints, got {eos_token_id!r}")
+        self.spec = model_spec(model)
+        param = next(model.parameters())
+        self.device, self.dtype, self.vocab = param.device, param.dtype, vocab_size(model)
+        if cuda_graph:
+            from . import graphs
+            graphs.check_graph_device(self.device)
+        self.model, self.policy, self.backend_name = model, policy, backend
+        self.max_model_len, self.chunk, self.cuda_graph = max_model_len, prefill_chunk, cuda_graph
+        self.fused = cuda_graph if fused is None else fused
+        self.table = budget_table(budget, dense=policy.ignores_budget, longest=max_model_len)
+        capacity = policy.capacity(self.table, longest=max_model_len, chunk=prefill_chunk)
+        per, fixed = row_bytes(model, policy, self.table, capacity)
+        self.plan = plan_memory(per_row=per, fixed=fixed, capacity=capacity, device=self.device,
+                                max_num_seqs=max_num_seqs, max_kv_bytes=max_kv_bytes)
+        self.eos = frozenset(int(t) for t in eos)
+        self.generator = device_generator(generator, self.device)
+        self.engine: Engine | None = None
+        self.backend_label = None
+        self.graph_status = "off"
+        self._slots: list[_Request | None] = [None] * self.plan.rows
+        self._waiting: deque[_Request] = deque()
+        self._known: dict[str, _Request] = {}
+        self.max_resident = 0
+        self.peak_kv_bytes = 0
 
-    plan: MemoryPlan
-
+    # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids, params: RequestParams) -> None:
         """Queue a request. Validated at once: an empty or over-long prompt (prompt +
         ``max_tokens`` > ``max_model_len``), a duplicate id or bad params raise a ValueError
         naming the field; nothing else is affected."""
-        raise NotImplementedError
-
-    def step(self) -> list[RequestOutput]:
-        """One iteration: admit, one forward, sample per row, retire. Returns the requests that
-        finished in it. An exception inside the forward fails only that forward's rows
-        (``finish_reason="error"``, ``error=exc``); the scheduler stays usable."""
-        raise NotImplementedError
+        if self.model is None:
+            raise RuntimeError("add_request: the scheduler is closed")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id: expected a str, got {type(request_id).__name__}")
+        if request_id in self._known:
+            raise ValueError(f"request_id: {request_id!r} is already waiting or running")
+        if not isinstance(params, RequestParams):
+            raise ValueError(f"params: expected a RequestParams, got {type(params).__name__}")
+        prompt = _prompt(prompt_ids, self.vocab)
+        if prompt.numel() + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt_ids: a prompt of {prompt.numel()} tokens plus params.max_tokens="
+                             f"{params.max_tokens} exceeds max_model_len={self.max_model_len}")
+        stops = frozenset() if params.ignore_eos else (
+            self.eos if params.stop_token_ids is None else frozenset(params.stop_token_ids))
+        gen = None
+        if params.seed is not None and params.temperature > 0:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        samp = RowSampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                           logprobs=min(params.logprobs, self.vocab), generator=gen)
+        req = _Request(id=request_id, prompt=prompt, params=params, stops=stops, samp=samp)
+        self._waiting.append(req)
+        self._known[request_id] = req
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a waiting or running request: its partial tokens, ``"aborted"`` (None if unknown)."""
-        raise NotImplementedError
+        req = self._known.pop(request_id, None)
+        if req is None:
+            return None
+        if req.slot is None:
+            self._waiting.remove(req)
+        else:
+            self._free(req)
+        return req.output("aborted")
 
     def abort_all(self) -> list[RequestOutput]:
-        """Abort every waiting and running request."""
-        raise NotImplementedError
+        """Abort every waiting and running request (running first, by slot)."""
+        ids = [r.id for r in self._slots if r is not None] + [r.id for r in self._waiting]
+        return [self.abort(i) for i in ids]
 
     def has_unfinished(self) -> bool:
-        raise NotImplementedError
+        return bool(self._known)
 
     @property
     def num_running(self) -> int:
-        raise NotImplementedError
+        return sum(r is not None for r in self._slots)
 
     @property
     def num_waiting(self) -> int:
-        raise NotImplementedError
+        return len(self._waiting)
 
-    max_resident: int  # high-water mark of rows resident
-    peak_kv_bytes: int
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the pool and the policy's state hold now (0 while released)."""
+        return 0 if self.engine is None else self.engine.cache.allocated_bytes()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: admit, one forward, sample per row, retire. Returns the requests that
+        finished in it. An exception inside the forward (or the sampling) fails only that
+        forward's rows (``finish_reason="error"``, ``error=exc``); the scheduler stays usable."""
+        if self.model is None:
+            raise RuntimeError("step: the scheduler is closed")
+        if not self._known:
+            return []
+        self._admit()
+        running = [r for r in self._slots if r is not None]
+        prefill = [r for r in running if r.fed < r.prompt.numel()]
+        rows = prefill or running
+        try:
+            with eval_modules(self.model), sparse_attention(self.model, ATTN_NAME), \
+                    active_cache(self.engine.cache), torch.no_grad():
+                ready, logits = self._prefill(prefill) if prefill else self._decode(running)
+                tok, lp, top = sample_rows(logits, [r.samp for r in ready], self.generator) if ready else (None,) * 3
+                self.engine.compress_due()
+        except Exception as exc:  # this forward's rows fail; the others go on
+            traceback.clear_frames(exc.__traceback__)  # its frames hold pool tensors: not kept alive
+            outs = []
+            for r in rows:
+                self._known.pop(r.id, None)
+                self._free(r)
+                outs.append(r.output("error", exc))
+            return outs
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.peak_slots * self.engine.pool.slot_bytes())
+        return self._record(ready, tok, lp, top) if ready else []
+
+    def _admit(self) -> None:
+        if self.engine is None:
+            self._allocate()
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        if not free or not self._waiting:
+            return
+        index = torch.arange(self.plan.rows + 1)
+        for i in free[:len(self._waiting)]:
+            req = self._waiting.popleft()
+            req.slot, self._slots[i] = i, req
+            index[i] = self.plan.rows  # the pristine row
+        self.engine.take_rows(index)
+        self.max_resident = max(self.max_resident, self.num_running)
+
+    def _prefill(self, rows: list[_Request]):
+        """One prefill chunk of ``rows``; the rows whose prompt ended in it and their logits."""
+        n = {r.slot: min(self.chunk, r.prompt.numel() - r.fed) for r in rows}
+        q = max(n.values())
+        ids = torch.zeros(self.plan.rows + 1, q, dtype=torch.long)
+        real = torch.zeros(self.plan.rows + 1, dtype=torch.long)
+        for r in rows:
+            ids[r.slot, :n[r.slot]] = r.prompt[r.fed:r.fed + n[r.slot]]
+            real[r.slot] = n[r.slot]
+        ending = [r for r in rows if r.fed + n[r.slot] == r.prompt.numel()]
+        ends = torch.tensor([n[r.slot] - 1 for r in ending], dtype=torch.long)
+        cols = torch.unique(ends) if ending else torch.tensor([q - 1])
+        out = self.engine.feed(ids.to(self.device), real, decode=False, logits_to_keep=cols.to(self.device))
+        for r in rows:
+            r.fed += n[r.slot]
+        if not ending:
+            return [], None
+        at = torch.tensor([r.slot for r in ending])
+        return ending, out.logits[at.to(self.device), torch.searchsorted(cols, ends).to(self.device)]
+
+    def _decode(self, rows: list[_Request]):
+        """One token for every decoding row (its last sampled token); the rows and their logits."""
+        ids = torch.zeros(self.plan.rows + 1, 1, dtype=torch.long)
+        real = torch.zeros(self.plan.rows + 1, dtype=torch.long)
+        at = torch.tensor([r.slot for r in rows])
+        ids[at, 0] = torch.tensor([r.tokens[-1] for r in rows])
+        real[at] = 1
+        out = self.engine.feed(ids.to(self.device), real, decode=True, logits_to_keep=1)
+        kept = self.engine.attended(1)[at, 0].tolist()
+        for r, k in zip(rows, kept):
+            r.kept.append(k)
+        return rows, out.logits[at.to(self.device), -1]
+
+    def _record(self, rows: list[_Request], tok, lp, top) -> list[RequestOutput]:
+        """Append each row's sampled token (one host copy of the step's samples); retire the
+        rows that stop."""
+        tok, lp = tok.cpu().tolist(), lp.cpu().tolist()
+        tv, ti = (None, None) if top is None else (top.values.cpu(), top.indices.cpu())
+        outs = []
+        for j, r in enumerate(rows):
+            r.tokens.append(tok[j])
+            r.logps.append(lp[j])
+            if r.samp.logprobs:
+                r.top.append((tv[j, :r.samp.logprobs], ti[j, :r.samp.logprobs]))
+            reason = "eos" if tok[j] in r.stops else "length" if len(r.tokens) >= r.params.max_tokens else None
+            if reason is not None:
+                self._known.pop(r.id, None)
+                self._free(r)
+                outs.append(r.output(reason))
+        return outs
+
+    def _free(self, req: _Request) -> None:
+        """Free a running request's slot: its host counts go to 0 (nothing of it is read again;
+        admission resets its device state from the pristine row)."""
+        if req.slot is None:
+            return
+        self._slots[req.slot] = None
+        if self.engine is not None:
+            self.engine.count[req.slot] = 0
+            self.engine.ctx[req.slot] = 0
+        req.slot = None
+
+    # -- memory -------------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        back, self.backend_label = select_backend(self.backend_name, device=self.device, dtype=self.dtype,
+                                                  head_dim=self.spec.head_dim,
+                                                  group_size=self.spec.heads_q // self.spec.heads_kv)
+        self.engine = Engine(self.model, policy=self.policy, backend=back, table=self.table, batch=self.plan.rows + 1,
+                             capacity=self.plan.capacity, grad=False, cuda_graph=self.cuda_graph, fused=self.fused)
 
     def release(self) -> None:
         """Free the pool, graphs and backend buffers (no request may be running; waiting ones are
         kept); the next `step` allocates again."""
-        raise NotImplementedError
+        if self.num_running:
+            raise RuntimeError(f"release: {self.num_running} requests are running; abort or finish them first")
+        if self.engine is not None:
+            g = self.engine.graphs
+            self.graph_status = "off" if g is None else g.status
+            self.engine.close()
+        self.engine = None
 
     def close(self) -> None:
-        """`release` and drop everything: nothing of the engine stays alive."""
-        raise NotImplementedError
+        """Abort every request, `release`, and drop the model: nothing of the engine stays alive."""
+        self.abort_all()
+        self.release()
+        self.model = self.policy = self.generator = None
+
+
+def _prompt(prompt_ids, vocab: int) -> torch.Tensor:
+    """A request's prompt as a CPU long ``[P]`` (P >= 1, ids in ``[0, vocab)``)."""
+    try:
+        p = torch.as_tensor(prompt_ids)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"prompt_ids: expected a sequence of token ids, got {type(prompt_ids).__name__}") from exc
+    if p.dim() != 1 or p.numel() == 0 or p.dtype.is_floating_point or p.dtype == torch.bool or p.is_complex():
+        raise ValueError(f"prompt_ids: expected a non-empty 1-D sequence of int token ids, got shape "
+                         f"{tuple(p.shape)} dtype {p.dtype}")
+    lo, hi = int(p.min()), int(p.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"prompt_ids: expected token ids in [0, {vocab}), got values in [{lo}, {hi}]")
+    return p.detach().to("cpu", torch.long)
