@@ -139,10 +139,15 @@ def hf_per_token(model, ids, new, device):
 def cell(model, shape, b, ctx, args, device, log):
     gen = torch.Generator().manual_seed(ctx + b)
     ids = torch.randint(5, SHAPES[shape]["vocab_size"], (b, ctx), generator=gen).to(device)
-    hf, peak = measured(lambda: hf_per_token(model, ids, args.new, device), device)
-    log(shape, b, ctx, "HF generate (sdpa)", hf, peak, None, None)
+    hf = None
+    if not args.no_hf:
+        hf, peak = measured(lambda: hf_per_token(model, ids, args.new, device), device)
+        log(shape, b, ctx, "HF generate (sdpa)", hf, peak, None, None)
     dense_t = dense_peak = None
+    wanted = None if args.policies is None else {p.lower() for p in args.policies.split(",")}
     for name, pol in [("Dense", Dense()), *policies(args.budget, args.smoke)]:
+        if wanted is not None and name.lower() not in wanted:
+            continue
         def run(pol=pol, budget=None if name == "Dense" else args.budget):
             return generate(model, ids, policy=pol, budget=budget,
                             max_new_tokens=args.new, temperature=0, logprobs_topk=0, backend=args.backend,
@@ -275,6 +280,9 @@ def _args(argv):
     ap.add_argument("--cuda-graph", action="store_true", help="replay our decode steps as CUDA graphs")
     ap.add_argument("--tf-tokens", type=int, default=1024, help="teacher-forced response tokens")
     ap.add_argument("--no-tf", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF generate row")
+    ap.add_argument("--policies", default=None,
+                    help="decoders to run, comma-separated (dense,streamingllm,snapkv,rkv,blocktopk; default all)")
     ap.add_argument("--out", default=None, help="append one JSON line per cell")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

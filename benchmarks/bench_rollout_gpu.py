@@ -278,11 +278,17 @@ def main(argv=None) -> dict:
                  backend=args.backend, cuda_graph=args.cuda_graph)
     rows, records = [], []
 
+    def keep(rec: dict) -> None:  # each row as it ends: a run cut short keeps what it measured
+        records.append(rec)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
     def record(row: str, elapsed, steps, fl, plan_rows, resident, step_ms, peak):
         rec = dict(row=row, device=gpu, n=args.n, tokens=useful, seconds=elapsed, tokens_per_s=useful / elapsed,
                    steps=steps, floor_s=fl, x_floor=elapsed / fl, plan_rows=plan_rows, resident=resident,
                    step_ms=step_ms, peak_gib=peak / 2**30)
-        records.append(rec)
+        keep(rec)
         rows.append([row, f"{useful / elapsed:,.0f}", f"{elapsed:.2f}", steps, f"{step_ms:.2f}", f"{fl:.2f}",
                      f"{elapsed / fl:.2f}x", plan_rows, resident, f"{peak / 2**30:.2f}"])
 
@@ -296,7 +302,7 @@ def main(argv=None) -> dict:
         fl = floor.seconds(steps=new, kv_slots=b * kv_read(args.prompt, new, math.inf), prefill_tokens=b * args.prompt)
         rec = dict(row=f"HF generate (N={b}, <= {args.hf_cap} tokens)", device=gpu, n=b, tokens=tok, seconds=t,
                    tokens_per_s=tok / t, steps=new, floor_s=fl, x_floor=t / fl, peak_gib=peak() / 2**30)
-        records.append(rec)
+        keep(rec)
         rows.append([rec["row"], f"{tok / t:,.0f}", f"{t:.2f}", new, f"{1e3 * t / new:.2f}", f"{fl:.2f}",
                      f"{t / fl:.2f}x", b, b, f"{rec['peak_gib']:.2f}"])
     results = {}
@@ -335,10 +341,7 @@ def main(argv=None) -> dict:
         summary[name] = dict(speedup=speed, floors_ratio=predicted, of_predicted=speed / predicted)
         print(f"{name} continuous vs dense {'static' if 'static' in results else 'continuous'}: {speed:.2f}x "
               f"faster; the floors predict {predicted:.2f}x ({speed / predicted:.0%} of it; target >= 80%)")
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in [*records, dict(row="summary", **summary)]:
-                f.write(json.dumps(rec) + "\n")
+    keep(dict(row="summary", **summary))
     del model
     gc.collect()
     return summary

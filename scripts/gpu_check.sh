@@ -26,6 +26,12 @@
 #            process: ms/token, compression events and each event's seconds, captures and dynamo
 #            graphs per call (is SnapKV's 6.7 ms/token a one-time cost of its first call? JSON in
 #            $OUT/snapkv_schedule.json; ~2 min)
+#   rollout  benchmarks/bench_rollout_gpu.py: the RL shape (64 requests x (512 prompt + log-normal
+#            lengths, std = mean, mean 2,048, capped at 8,192), budget 512: dense static vs the
+#            continuous Scheduler per policy, each row against its bandwidth floor, and the
+#            head-of-line case (JSON in $OUT/rollout.jsonl; sized to ~3 min)
+#   rkv      benchmarks/bench_decoding_gpu.py at 8 x 32k for Dense and RKV only (no HF row), with
+#            teacher forcing (JSON in $OUT/rkv.jsonl; ~1 min)
 # Budget: about 12-13 minutes on an H100 in all (pytest ~2 min, trl < 4 min, decode ~2 min,
 # fused ~2 min, snapkv ~2 min: not measured yet).
 # Prepare on the CPU machine first: bash ../shared/gpu/build_flashinfer_aot.sh and
@@ -106,7 +112,15 @@ for s in "${STEPS[@]}"; do
                 --json "$OUT/snapkv_schedule.json"
             else step snapkv 240 $PY benchmarks/bench_decode_kernels.py --schedule-only --cuda \
                 --json "$OUT/snapkv_schedule.json"; fi ;;
-    *) echo "gpu_check: unknown step $s (env install memory pytest trl decode fused snapkv)" >&2; exit 2 ;;
+    rollout) if [ "$CPU" = 1 ]; then step rollout 240 $PY benchmarks/bench_rollout_gpu.py --smoke --out "$OUT/rollout.jsonl"
+             else step rollout 330 $PY benchmarks/bench_rollout_gpu.py --n 64 --prompt 512 --mean 2048 --cap 8192 \
+                 --budget 512 --buffer 64 --policies rkv,streaming_llm --hf-n 4 --hf-cap 128 --hol-long 2048 \
+                 --out "$OUT/rollout.jsonl"; fi ;;
+    rkv) if [ "$CPU" = 1 ]; then step rkv 240 $PY benchmarks/bench_decoding_gpu.py --smoke --policies dense,rkv --no-hf \
+             --out "$OUT/rkv.jsonl"
+         else step rkv 200 $PY benchmarks/bench_decoding_gpu.py --models qwen3-0.6b --batches 8 --contexts 32768 \
+             --cuda-graph --policies dense,rkv --no-hf --out "$OUT/rkv.jsonl"; fi ;;
+    *) echo "gpu_check: unknown step $s (env install memory pytest trl decode fused snapkv rollout rkv)" >&2; exit 2 ;;
   esac
 done
 echo "gpu_check: done; $OUT/steps.jsonl:"; cat "$OUT/steps.jsonl"
