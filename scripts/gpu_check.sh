@@ -30,6 +30,8 @@
 #            lengths, std = mean, mean 2,048, capped at 8,192), budget 512: dense static vs the
 #            continuous Scheduler per policy, each row against its bandwidth floor, and the
 #            head-of-line case (JSON in $OUT/rollout.jsonl; sized to ~3 min)
+#   trl20    benchmarks/bench_trl_step_gpu.py --memory-steps 20: our rows only, memory after each of
+#            20 steps (flat within 64 MiB?) (JSON in $OUT/trl_memory.jsonl)
 #   rkv      benchmarks/bench_decoding_gpu.py at 8 x 32k for Dense and RKV only (no HF row), with
 #            teacher forcing (JSON in $OUT/rkv.jsonl; ~1 min)
 # Budget: about 12-13 minutes on an H100 in all (pytest ~2 min, trl < 4 min, decode ~2 min,
@@ -116,11 +118,14 @@ for s in "${STEPS[@]}"; do
              else step rollout 330 $PY benchmarks/bench_rollout_gpu.py --n 64 --prompt 512 --mean 2048 --cap 8192 \
                  --budget 512 --buffer 64 --policies rkv,streaming_llm --hf-n 4 --hf-cap 128 --hol-long 2048 \
                  --out "$OUT/rollout.jsonl"; fi ;;
+    trl20) if [ "$CPU" = 1 ]; then step trl20 240 $PY benchmarks/bench_trl_step_gpu.py --smoke --memory-steps 3 \
+               --out "$OUT/trl_memory.jsonl"
+           else step trl20 300 $PY benchmarks/bench_trl_step_gpu.py --memory-steps 20 --out "$OUT/trl_memory.jsonl"; fi ;;
     rkv) if [ "$CPU" = 1 ]; then step rkv 240 $PY benchmarks/bench_decoding_gpu.py --smoke --policies dense,rkv --no-hf \
              --out "$OUT/rkv.jsonl"
          else step rkv 200 $PY benchmarks/bench_decoding_gpu.py --models qwen3-0.6b --batches 8 --contexts 32768 \
              --cuda-graph --policies dense,rkv --no-hf --out "$OUT/rkv.jsonl"; fi ;;
-    *) echo "gpu_check: unknown step $s (env install memory pytest trl decode fused snapkv rollout rkv)" >&2; exit 2 ;;
+    *) echo "gpu_check: unknown step $s (env install memory pytest trl trl20 decode fused snapkv rollout rkv)" >&2; exit 2 ;;
   esac
 done
 echo "gpu_check: done; $OUT/steps.jsonl:"; cat "$OUT/steps.jsonl"
