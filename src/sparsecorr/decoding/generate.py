@@ -25,8 +25,10 @@ from .cache import ATTN_NAME, active_cache
 from .engine import Engine, pool_capacity
 from .hf import check_transformers, eval_modules, model_spec, sparse_attention
 from .loops import Sampling, decode_loop, forced_loop, prefill
+from .memory import check_caps
 from .policies import KVPolicy
 from .rollout import KeptSets, RolloutBatch, blank_fields, kept_sets
+from .scheduled import needs_scheduler, run_scheduled
 from .validate import (
     budget_table,
     check_mask,
@@ -178,7 +180,8 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
              backend: str = "auto", generator: torch.Generator | None = None, progress: bool = False,
              pruner: Any | None = None, group_size: int | None = None,
              prefill_chunk: int | None = 512, cuda_graph: bool = False, fused: bool | None = None,
-             record_keep: bool = False) -> RolloutBatch:
+             record_keep: bool = False, max_num_seqs: int | None = None,
+             max_kv_bytes: int | None = None) -> RolloutBatch:
     """Sample responses with a sparse KV policy and record the sampler's log-probs.
 
     Args:
@@ -211,8 +214,9 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
             ``budget + buffer + prefill_chunk`` slots; with one chunk the prompt is compressed
             once, after it is read.
         cuda_graph: replay each single-token decode step as a CUDA graph (CUDA only, no pruner;
-            see [`sparsecorr.decoding.graphs`][sparsecorr.decoding.graphs]). Falls back to eager
-            steps, with a warning, if capture fails; ``meta["cuda_graph"]`` records which ran:
+            see [`sparsecorr.decoding.graphs`][sparsecorr.decoding.graphs]). A model on another
+            device is refused with a ValueError (there is no CPU fallback). Falls back to eager
+            steps, with a warning, if capture fails on CUDA; ``meta["cuda_graph"]`` records which ran:
             ``"on"``, ``"failed: <error>"``, ``"unused"`` (asked for, but no decode step ran)
             or ``"off"``; ``meta["fused"]`` likewise for the fused step (a fused step that failed
             for this model in its current state is not attempted again: the same
@@ -221,6 +225,16 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
             ``RolloutBatch.kept_sets`` (eviction policies; a debugging and parity tool: one
             device-to-host copy of the kept positions per event). ``teacher_forced_logprobs(...,
             keep_sets=batch.kept_sets)`` replays them.
+        max_num_seqs: most rows decoded at once (None: no cap). With ``max_kv_bytes`` or on
+            CUDA (where 0.9 × the free memory bounds the pool), the memory plan
+            (`sparsecorr.decoding.memory`) is made first: when it fits fewer rows than the
+            batch, the batch runs through the continuous-batching
+            [`Scheduler`][sparsecorr.decoding.scheduler.Scheduler] (rows admitted as others
+            finish; the same fields, rows in input order; greedy outputs equal) instead of
+            failing with out-of-memory; otherwise the one-pool path runs as without it. The
+            scheduler path refuses ``pruner`` and ``record_keep`` (ValueError), and records
+            ``meta["scheduler"]`` (rows, what bounded them, rows resident at most).
+        max_kv_bytes: bytes the KV pool and the policy's state may take (None: no cap).
 
     The model runs in eval mode for the call (a decoder layer with gradient checkpointing
     active in train mode would drop the cache) and each module's ``training`` flag is restored
@@ -269,6 +283,21 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
     _check_keep_args(record_keep, None)
     samp = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, k=clamp_topk(model, logprobs_topk),
                     generator=generator)
+    check_caps(max_num_seqs=max_num_seqs, max_kv_bytes=max_kv_bytes)
+    if needs_scheduler(model, lens, policy=policy, budget=budget, max_new_tokens=max_new_tokens,
+                       prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs, max_kv_bytes=max_kv_bytes):
+        if pruner is not None or record_keep:
+            raise ValueError("max_num_seqs / max_kv_bytes: the batch does not fit the memory plan, and the "
+                             "scheduler that admits its rows takes no pruner and no record_keep; got "
+                             f"pruner={type(pruner).__name__}, record_keep={record_keep}")
+        fields, info = run_scheduled(model, ids, lens, policy=policy, budget=budget, max_new_tokens=max_new_tokens,
+                                     samp=samp, backend=backend, prefill_chunk=prefill_chunk,
+                                     eos_token_id=eos_token_id, cuda_graph=cuda_graph,
+                                     fused=cuda_graph if fused is None else fused, max_num_seqs=max_num_seqs,
+                                     max_kv_bytes=max_kv_bytes)
+        return RolloutBatch(**fields, meta=_meta(model, policy, budget, samp, info.pop("backend"),
+                                                 prefill_chunk=prefill_chunk, logprobs_topk=samp.k,
+                                                 logprobs_topk_requested=logprobs_topk, **info))
     return _run(model, ids, lens, policy=policy, budget=budget, max_new_tokens=max_new_tokens, samp=samp,
                 backend=backend, progress=progress, prefill_chunk=prefill_chunk,
                 eos_token_id=eos_token_id, pruner=pruner, group_size=group_size, cuda_graph=cuda_graph,

@@ -10,7 +10,8 @@ selection. The rows are then
 \[ \text{rows} = \min\Big(\text{max\_num\_seqs},\ \Big\lfloor \frac{A - f}{r} \Big\rfloor - 1\Big) \]
 
 with \(r\) the row's bytes, \(f\) what does not grow with rows, and \(A\) the byte bound: the
-smaller of ``max_kv_bytes`` and 0.9 × the device's free memory (CUDA; ``torch.cuda.mem_get_info``,
+smaller of ``max_kv_bytes`` and 0.9 × the device's free memory (CUDA; ``torch.cuda.mem_get_info``
+plus what torch's caching allocator reserved but does not use,
 as vLLM's ``gpu_memory_utilization`` leaves headroom for activations); the ``- 1`` is the
 scheduler's pristine row (`sparsecorr.decoding.scheduler`). On another device the free memory is
 not read: without ``max_num_seqs`` or ``max_kv_bytes``, ``max_num_seqs`` defaults to
@@ -27,7 +28,7 @@ from .hf import model_spec
 from .policies import KVPolicy
 from .pool import KVPool
 
-__all__ = ["CPU_DEFAULT_ROWS", "FREE_FRACTION", "MemoryPlan", "plan_memory", "row_bytes"]
+__all__ = ["CPU_DEFAULT_ROWS", "FREE_FRACTION", "MemoryPlan", "check_caps", "plan_memory", "row_bytes"]
 
 FREE_FRACTION = 0.9  # of the device's free memory the pool may take
 CPU_DEFAULT_ROWS = 64  # rows on a non-CUDA device when neither cap is given
@@ -68,6 +69,12 @@ def row_bytes(model, policy: KVPolicy, table: torch.Tensor, capacity: int) -> tu
     return per, sizes[0] - per
 
 
+def check_caps(*, max_num_seqs: object, max_kv_bytes: object) -> None:
+    """Each cap None or an int >= 1 (ValueError naming it)."""
+    _check_cap("max_num_seqs", max_num_seqs)
+    _check_cap("max_kv_bytes", max_kv_bytes)
+
+
 def _check_cap(name: str, value: object) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name}: expected None or an int >= 1, got {value!r}")
@@ -77,14 +84,15 @@ def plan_memory(*, per_row: int, fixed: int, capacity: int, device: torch.device
                 max_kv_bytes: int | None, extra_rows: int = 1) -> MemoryPlan:
     """The rows that fit (see the module docstring); ``extra_rows`` allocated rows that hold no
     request (the scheduler's pristine row). ValueError, naming the bound, when not one row fits."""
-    _check_cap("max_num_seqs", max_num_seqs)
-    _check_cap("max_kv_bytes", max_kv_bytes)
+    check_caps(max_num_seqs=max_num_seqs, max_kv_bytes=max_kv_bytes)
     device = torch.device(device)
     bounds: list[tuple[int, str]] = []  # (bytes, source)
     if max_kv_bytes is not None:
         bounds.append((max_kv_bytes, "max_kv_bytes"))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
+        # what torch's caching allocator holds but does not use is free to this process too
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         bounds.append((int(free * FREE_FRACTION), "free memory"))
     elif max_num_seqs is None and max_kv_bytes is None:
         max_num_seqs = CPU_DEFAULT_ROWS
