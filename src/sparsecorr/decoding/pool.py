@@ -166,18 +166,27 @@ class KVPool:
 def take_rows(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` of every layer of a contiguous stacked buffer, as a contiguous ``[L, n, ...]``
     view of the front of its own storage: layer ``i``'s selected rows (one ``index_select``, a
-    temporary of one layer) are written at ``[i·n, (i+1)·n)`` rows, which only overlaps layers
-    already read (``n <= B``). With more rows than the buffer has (repeated rows), a new tensor.
+    temporary of one layer) are written at ``[i·n, (i+1)·n)`` rows. Shrinking (``n <= B``) goes
+    from the first layer up: a layer's new place only overlaps layers already read. Growing
+    (``n > B``, repeated rows) stays in place too when the storage has room for ``n`` rows (the
+    buffer was shrunk from a larger batch: a scheduler's batch grows back into the pool it
+    allocated once) and goes from the last layer down: layer ``i``'s new place starts at row
+    ``i·n >= i·B``, past the old places of the layers before it, and ends before the new places of
+    the layers after it (written already). Without room, a new tensor.
 
     Shapes:
         buf ``[L, B, ...]``; rows ``[n]`` (device long) -> ``[L, n, ...]``.
     """
     n_layers, b, n = buf.shape[0], buf.shape[1], rows.shape[0]
-    if n > b or not buf.is_contiguous():
-        return buf.index_select(1, rows)
     per = buf[0].numel() // b if b else 0
-    flat = buf.view(-1)
-    for i in range(n_layers):
+    need = n_layers * n * per * buf.element_size()
+    in_place = buf.is_contiguous() and b > 0 and (
+        n <= b or (buf.storage_offset() == 0 and buf.untyped_storage().nbytes() >= need))
+    if not in_place:
+        return buf.index_select(1, rows)
+    flat = torch.empty(0, dtype=buf.dtype, device=buf.device).set_(
+        buf.untyped_storage(), buf.storage_offset(), (max(n, b) * n_layers * per,))
+    for i in (range(n_layers) if n <= b else reversed(range(n_layers))):
         kept = buf[i].index_select(0, rows)
         flat[i * n * per:(i + 1) * n * per].view(kept.shape).copy_(kept)
     return flat[:n_layers * n * per].view(n_layers, n, *buf.shape[2:])
