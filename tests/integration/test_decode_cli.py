@@ -33,6 +33,63 @@ def test_decode_cli_end_to_end(tmp_path, capsys, model_dir):
     assert batch.tokens.shape == (4, 12) and batch.prompt_lengths.tolist() == [3, 3, 5, 5]
 
 
+#: a policy a user writes outside src/, registered on import (``--policy-module``)
+RANDOM_EVICT = """
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sparsecorr.decoding.policies import EvictionPolicy, register_policy
+
+
+@register_policy
+@dataclass(frozen=True)
+class RandomEvict(EvictionPolicy):
+    name: ClassVar[str] = "random_evict_cli"
+    window: int = 2
+    buffer: int = 2
+    sink: int = 0
+
+    def score(self, *, keys, queries, valid, positions, query_valid=None):
+        # pure: a fixed hash of the positions, no generator (replay reproduces it)
+        return ((positions * 2654435761) % 1009).to(torch.float32)
+"""
+
+
+@pytest.fixture
+def registry():
+    from sparsecorr.decoding.policies import POLICIES
+
+    before = dict(POLICIES)
+    yield POLICIES
+    POLICIES.clear()
+    POLICIES.update(before)
+
+
+@pytest.mark.parametrize("how", ["module:class", "policy-module"])
+def test_decode_cli_runs_a_policy_defined_outside_src(tmp_path, capsys, model_dir, monkeypatch, registry, how):
+    """A policy from a test file: ``--policy MODULE:CLASS`` (the toy of
+    tests/unit/decoding/toy_policy.py) or ``--policy-module MODULE --policy NAME`` (a module
+    that registers with ``@register_policy``) decodes end to end through the CLI."""
+    if how == "module:class":
+        args, name = ["--policy", "tests.unit.decoding.toy_policy:EveryOther"], "every_other"
+    else:
+        (tmp_path / "user_policy_cli.py").write_text(RANDOM_EVICT)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        args, name = ["--policy-module", "user_policy_cli", "--policy", "random_evict_cli"], "random_evict_cli"
+    prompts = _prompts(tmp_path, [json.dumps({"prompt_ids": list(range(5, 17))})])
+    out = tmp_path / "batch.safetensors"
+    rc = main(["decode", "--model", str(model_dir), "--prompts", str(prompts), *args, "--budget", "6",
+               "--max-new-tokens", "8", "--out", str(out), "--device", "cpu", "--prefill-chunk", "4"])
+    assert rc == 0, capsys.readouterr().err
+    assert name in registry
+    batch = RolloutBatch.load(out)
+    assert batch.tokens.shape == (1, 8) and bool(batch.mask.all())
+    assert f"policy {registry[name].__name__}(" in capsys.readouterr().out  # the throughput line
+    assert int(batch.kv_kept[batch.mask].max()) <= 6 + registry[name]().buffer + 1
+
+
 BAD = [  # (what the error line must name, extra args, prompt lines)
     ("needs 'prompt_ids' or 'prompt'", [], ['{"text": "x"}']),
     ("--prompts: line 1: expected a JSON object", [], ["5"]),
@@ -55,6 +112,10 @@ BAD = [  # (what the error line must name, extra args, prompt lines)
     ("--max-new-tokens", ["--max-new-tokens", "0"], None),
     ("--prefill-chunk", ["--prefill-chunk", "-4"], None),
     ("--policy: expected one of", ["--policy", "h2o"], None),
+    ("--policy: cannot load 'tests.unit.decoding.toy_policy:Nope'",
+     ["--policy", "tests.unit.decoding.toy_policy:Nope"], None),
+    ("--policy: expected a KVPolicy subclass", ["--policy", "tests.unit.decoding.toy_policy:ToyState"], None),
+    ("--policy-module: cannot import 'no_such_policy_module'", ["--policy-module", "no_such_policy_module"], None),
     ("--backend: expected one of", ["--backend", "vllm"], None),
     ("--device", ["--device", "tpu"], None),
 ]

@@ -105,12 +105,26 @@ def test_cli_reference_page_is_up_to_date():
 
 
 def test_static_choices_match_the_library():
+    """The static names the CLI lists agree with the library. Policies: ``--help`` lists the
+    built-in names (all registered), and ``--policy`` takes the registry itself, so a policy
+    registered later (the toy of tests/unit/decoding/toy_policy.py) is a ``decode`` and
+    ``calibrate`` policy too."""
+    from sparsecorr.commands import decode
     from sparsecorr.commands import schedule_cmds as sc
-    from sparsecorr.decoding.policies import POLICIES
+    from sparsecorr.decoding.policies import POLICIES, register_policy
     from sparsecorr.schedules import HARDWARE, MODEL_PRESETS
     from sparsecorr.schedules.cost import DEFAULT_L_IN, DEFAULT_N
+    from tests.unit.decoding.toy_policy import EveryOther
 
-    assert sorted(POLICIES) == sorted(sc.POLICY_NAMES)
+    assert set(sc.POLICY_NAMES) <= set(POLICIES) and set(decode.POLICIES) <= set(POLICIES)
+    register_policy(EveryOther)
+    try:
+        assert decode.policy_name(EveryOther.name) == EveryOther.name
+        for name in ("decode", "calibrate"):
+            policy = next(a for a in _subparsers()[name]._actions if "--policy" in a.option_strings)
+            assert policy.choices is None, name  # no fixed tuple: the registry decides at run time
+    finally:
+        POLICIES.pop(EveryOther.name, None)
     assert sorted(HARDWARE) == sorted(sc.HARDWARE_NAMES)
     assert (sc.DEFAULT_SAMPLES, sc.DEFAULT_PROMPT_LEN) == (DEFAULT_N, DEFAULT_L_IN)
     cost = _subparsers()["cost"]
@@ -139,8 +153,6 @@ BAD_ARGV = [
       "--samples-per-prompt", "0"], "--samples-per-prompt"),
     (["calibrate", "--model", "m", "--prompts", "p", "--out", "o", "--budgets", "4",
       "--logprobs-topk", "0"], "--logprobs-topk"),
-    (["calibrate", "--model", "m", "--prompts", "p", "--out", "o", "--budgets", "4", "--policy", "nope"],
-     "--policy"),
 ]
 
 
@@ -152,6 +164,17 @@ def test_bad_option_is_one_line_naming_it(argv, option, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("sparsecorr") and option in err[-1], err
     assert "Traceback" not in "\n".join(err)
+
+
+def test_calibrate_bad_policy_is_one_line_naming_it(tmp_path, capsys):
+    """``--policy`` takes the registry, so a name it lacks is refused when the command runs
+    (exit status 2, one line naming the option), before anything is written or loaded."""
+    out = tmp_path / "o"
+    rc = main(["calibrate", "--model", "m", "--prompts", "p", "--out", str(out), "--budgets", "4",
+               "--policy", "nope"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("sparsecorr calibrate: error: --policy: expected one of")
+    assert not out.exists()
 
 
 def _table_file(tmp_path, *, empty_bin=False):

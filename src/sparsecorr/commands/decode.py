@@ -12,7 +12,11 @@ import math
 import time
 from pathlib import Path
 
+#: the built-in policy names, for ``--help`` only (kept here so it stays fast); ``--policy``
+#: takes any name in the registry (`sparsecorr.decoding.policies.POLICIES`)
 POLICIES = ("dense", "streaming_llm", "snapkv", "rkv", "block_topk")
+POLICY_HELP = ("a registered KV policy: " + " | ".join(POLICIES) + ", one a --policy-module registers, "
+               "or MODULE:CLASS (imported and registered)")
 BACKENDS = ("auto", "torch", "reference", "flashinfer")
 GRAPH_MODES = ("auto", "on", "off")
 
@@ -24,7 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local model directory (from_pretrained)")
     p.add_argument("--prompts", required=True,
                    help='JSONL, one {"prompt_ids": [...]} or {"prompt": "text"} per line')
-    p.add_argument("--policy", default="rkv", help=" | ".join(POLICIES) + " (default rkv)")
+    p.add_argument("--policy", default="rkv", help=POLICY_HELP + " (default rkv)")
+    p.add_argument("--policy-module", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first (repeatable), so the policies it registers with "
+                        "@register_policy are --policy names (default: none)")
     p.add_argument("--budget", type=int, default=512, help="KV budget in tokens (default 512)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--samples-per-prompt", type=int, default=1)
@@ -51,9 +58,33 @@ def _positive(name: str, value: int | None, *, allow_none: bool = False) -> None
         raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
 
 
+def policy_name(spec: str, modules: list[str] | tuple[str, ...] = ()) -> str:
+    """The registry name ``--policy spec`` selects, after importing each ``--policy-module``:
+    a registered name, or ``MODULE:CLASS`` (imported and registered:
+    `sparsecorr.decoding.policies.import_policy`). Raises ``ValueError`` naming the option."""
+    import importlib
+
+    from ..decoding.policies import POLICIES as registry
+    from ..decoding.policies import import_policy
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ValueError(f"--policy-module: cannot import {module!r}: {exc}") from None
+    if ":" in spec:
+        try:
+            return import_policy(spec)
+        except ValueError as exc:
+            raise ValueError(f"--policy: {str(exc).removeprefix('spec: ')}") from None
+    if spec not in registry:
+        raise ValueError(f"--policy: expected one of {sorted(registry)} (the registry; add one with "
+                         f"--policy-module MODULE or --policy MODULE:CLASS), got {spec!r}")
+    return spec
+
+
 def _check_options(args: argparse.Namespace) -> None:
-    if args.policy not in POLICIES:
-        raise ValueError(f"--policy: expected one of {list(POLICIES)}, got {args.policy!r}")
+    args.policy = policy_name(args.policy, getattr(args, "policy_module", ()))
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend: expected one of {list(BACKENDS)}, got {args.backend!r}")
     for name in ("budget", "max_new_tokens", "samples_per_prompt", "prefill_chunk"):
@@ -170,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
     policy = get_policy(args.policy)
     t0 = time.perf_counter()
-    batch = generate(model, ids, mask, policy=policy, budget=None if args.policy == "dense" else args.budget,
+    batch = generate(model, ids, mask, policy=policy, budget=None if policy.ignores_budget else args.budget,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, eos_token_id=model.config.eos_token_id,
                      generator=torch.Generator().manual_seed(args.seed), progress=True, backend=args.backend,

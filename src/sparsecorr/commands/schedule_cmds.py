@@ -17,8 +17,8 @@ import sys
 import warnings
 from pathlib import Path
 
-#: the policy names of ``sparsecorr.decoding.get_policy`` (kept here so ``--help`` stays fast;
-#: a test checks they agree)
+#: the built-in policy names of ``sparsecorr.decoding.get_policy``, for ``--help`` only (kept here
+#: so it stays fast; a test checks they are registered); ``--policy`` takes the whole registry
 POLICY_NAMES = ("block_topk", "dense", "rkv", "snapkv", "streaming_llm")
 #: hardware names of ``sparsecorr.schedules.HARDWARE`` (a test checks they agree)
 HARDWARE_NAMES = ("h100", "h200")
@@ -88,7 +88,8 @@ def add_calibrate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local model directory")
     p.add_argument("--prompts", required=True, help='JSONL with {"prompt_ids": [...]} or {"prompt": "..."}')
     p.add_argument("--budgets", required=True, type=budget_list, help="candidate KV budgets, e.g. 256,512,1024")
-    p.add_argument("--policy", default="rkv", choices=POLICY_NAMES, help="sparse KV policy")
+    p.add_argument("--policy", default="rkv", help="sparse KV policy: " + " | ".join(POLICY_NAMES)
+                   + ", another registered name, or MODULE:CLASS (imported and registered)")
     p.add_argument("--bin-size", type=positive_int, default=2000, help="tokens of total context per bin")
     p.add_argument("--n-bins", type=positive_int, default=20, help="number of length bins")
     p.add_argument("--q", type=probability, default=0.05, help="tail level of the acceptance")
@@ -106,8 +107,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from .._io import atomic_write_bytes, check_writable_dir
     from ..schedules.calibrate import plan_calibration
     from ..schedules.table import check_table_size
+    from .decode import policy_name
 
     # cheap checks first: nothing below loads a model before these pass
+    args.policy = policy_name(args.policy)  # a registered name, or MODULE:CLASS (registered)
     check_table_size(len(set(args.budgets)), args.n_bins)
     out = check_writable_dir("--out", args.out)
     _require_matplotlib()

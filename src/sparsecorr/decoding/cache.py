@@ -26,6 +26,7 @@ import torch
 from .backends import AttentionBackend
 from .hf import CacheBase, register_attention
 from .policies import KeepSet, KVPolicy, compress
+from .policies.base import hook_name
 from .policies.state import PolicyState
 from .pool import KVPool
 
@@ -99,13 +100,26 @@ class SparseKVCache(CacheBase):
         if torch.compiler.is_compiling():  # traced: sparsecorr::attend writes (decoding.fused)
             return key, value
         st, pool = self.step, self.pool
-        if layer_idx == 0 and pool.pos is not None:  # every layer's positions, once per step
-            pool.write_positions(st.slots, st.positions)
+        if layer_idx == 0:  # once per forward: host ints (a static graph step reads kv_len = capacity)
+            if st.kv_len > pool.capacity:
+                self.capacity_error(st.kv_len, "a forward")
+            if pool.pos is not None:  # every layer's positions, once per step
+                pool.write_positions(st.slots, st.positions)
         pool.write(layer_idx, key, value, st.slots)
         self.state.written(layer_idx, key, st)
         if layer_idx == self.num_layers - 1:  # every layer's new keys, once per step
             self.state.all_written(st)
         return pool.k[layer_idx][:, :, :st.kv_len], pool.v[layer_idx][:, :, :st.kv_len]
+
+    def capacity_error(self, needed: int, where: str):
+        """Raise the ``ValueError`` of a pool the policy's `KVPolicy.capacity` sized too small
+        (``needed`` slots per row by ``where``); before any write past the pool."""
+        pool, policy = self.pool, self.policy
+        raise ValueError(f"{hook_name(policy, 'capacity')}: expected at least {needed} slots per row ({where} "
+                         f"needs them), got a pool of {pool.capacity} (capacity() rounded up to pages of "
+                         f"{pool.page_size}): capacity(table, longest=, chunk=) must cover the most slots a "
+                         f"row holds before a compression reduces it (an eviction policy: max budget + buffer "
+                         f"+ chunk, as EvictionPolicy.capacity)")
 
     def seq_length(self) -> int:
         return 0 if self.step is None else self.step.kv_len
@@ -165,6 +179,8 @@ class SparseKVCache(CacheBase):
         """
         pool, n = self.pool, self.num_layers
         s, top = int(counts.max()), int(budgets.max())
+        if s > pool.capacity:  # host ints, once per event (a captured step's writes are not checked)
+            self.capacity_error(s, "a compression event")
         dev = pool.pos_all.device
         budgets_host, counts_host = budgets, counts
         budgets, counts = budgets.to(dev, non_blocking=True), counts.to(dev, non_blocking=True)  # once, not per layer

@@ -222,8 +222,15 @@ class KeptSets:
     sets (``teacher_forced_logprobs(..., keep_sets=...)``) and then sees exactly the tokens the
     sampler saw: what is left between the two is numerics, not selection.
 
+    ``K`` is a width, not a budget: each row's entries past the slots it kept (its budget at that
+    context) are -1. A compression event keeps, in one call, ``min(top, S)`` columns for every
+    row of the batch, where ``top`` is the largest of the due rows' budgets *and the not-due
+    rows' whole counts* (a row that is not due keeps every slot it holds), and ``S`` the most
+    slots a row holds; ``K`` is the widest event's. So ``K`` can exceed every budget (23 at
+    budget 16: a batch-mate held 23 slots) and depends on the batching; the kept positions do not.
+
     Shapes:
-        rows, context: ``[E]`` long; positions: ``[E, L, H_kv, K]`` long (K = the largest budget).
+        rows, context: ``[E]`` long; positions: ``[E, L, H_kv, K]`` long.
     """
 
     rows: torch.Tensor

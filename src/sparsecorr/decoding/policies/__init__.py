@@ -36,10 +36,16 @@ POLICIES: dict[str, type[KVPolicy]] = {p.name: p for p in (Dense, StreamingLLM, 
 
 
 def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
-    """Add a policy class to the registry under its ``name`` (usable as a class decorator): then
-    `get_policy`, the CLI's policy names and the registry-driven tests know it. A new policy is
-    one file (a `KVPolicy` subclass, with a `PolicyState` subclass where it keeps state of its
-    own) plus this call. Raises ``ValueError`` for a non-policy or a name already taken by
+    """Add a policy class to the registry `POLICIES` under its ``name`` (usable as a class
+    decorator). A new policy is one file (a `KVPolicy` subclass, with a `PolicyState` subclass
+    where it keeps state of its own) plus this call.
+
+    What sees a registered policy: `get_policy` (by name); ``sparsecorr decode --policy NAME``
+    and ``sparsecorr calibrate --policy NAME``, once the registering module is imported
+    (``--policy-module MODULE``, or ``--policy MODULE:CLASS``, which imports and registers the
+    class: `import_policy`); and the registry-driven tests (tests/unit/decoding/test_registry.py)
+    when the test registers it. Registration is per process: a module that is not imported
+    registers nothing. Raises ``ValueError`` for a non-policy or a name already taken by
     another class."""
     if not (isinstance(cls, type) and issubclass(cls, KVPolicy)) or cls.name == KVPolicy.name:
         raise ValueError(f"cls: expected a KVPolicy subclass with a name of its own, got {cls!r}")
@@ -47,6 +53,24 @@ def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
         raise ValueError(f"cls: the name {cls.name!r} is taken by {POLICIES[cls.name].__name__}")
     POLICIES[cls.name] = cls
     return cls
+
+
+def import_policy(spec: str) -> str:
+    """``"package.module:Class"``: import the module, register ``Class`` (`register_policy`;
+    registering the same class again is a no-op) and return its registry name. Raises
+    ``ValueError`` naming ``spec`` when the module or class is missing or is not a policy."""
+    import importlib
+
+    module, sep, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not (sep and module and attr):
+        raise ValueError(f"spec: expected 'package.module:Class', got {spec!r}")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"spec: cannot load {spec!r}: {type(exc).__name__}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, KVPolicy)):
+        raise ValueError(f"spec: expected a KVPolicy subclass, got {spec!r} = {cls!r}")
+    return register_policy(cls).name
 
 
 def get_policy(name: str, **kwargs: object) -> KVPolicy:
@@ -63,6 +87,7 @@ def get_policy(name: str, **kwargs: object) -> KVPolicy:
 __all__ = [
     "POLICIES", "RKV", "BlockTopK", "Dense", "EvictionPolicy", "KVPolicy", "KeepSet", "PlanInputs", "PolicyState",
     "RKVState", "RingState", "Selection", "SelectionPlan", "SelectionState", "SnapKV", "StreamingLLM", "compress",
-    "gather_mask", "get_policy", "group_scores", "keep_counts", "key_redundancy", "page_means", "pages_to_mask",
+    "gather_mask", "get_policy", "group_scores", "import_policy", "keep_counts", "key_redundancy", "page_means",
+    "pages_to_mask",
     "pool_scores", "rank_pages", "register_policy", "ring_order", "ring_slots", "select_pages", "selection_plan",
 ]

@@ -7,9 +7,10 @@ kept set. Eviction policies (StreamingLLM, SnapKV, R-KV) drop KV for good: the e
 ``sink`` tokens and the most recent ``window`` tokens. Selection policies (BlockTopK) keep the
 whole cache and restrict which part of it each decode step attends to.
 
-Shapes (per layer): keys ``[B, H_kv, S, D]`` (post-RoPE), queries ``[B, H_q, W, D]`` (the last
-W queries, post-RoPE, ``H_q = H_kv · G``), valid ``[B, H_kv, S]`` bool, positions
-``[B, H_kv, S]`` (true absolute positions).
+Shapes: keys ``[B, H_kv, S, D]`` (post-RoPE), queries ``[B, H_q, W, D]`` (the last W queries,
+post-RoPE, ``H_q = H_kv · G``), valid ``[B, H_kv, S]`` bool, positions ``[B, H_kv, S]`` (true
+absolute positions). In the engine ``B`` is ``n·B``: a compression event stacks the ``n``
+layers it scores along the batch axis, layer-major, with no layer id (`KVPolicy.score`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from ..._checks import check_int as _check_int
 from ..kernels import window_votes
 from .state import PolicyState
 
-__all__ = ["EvictionPolicy", "KVPolicy", "KeepSet", "check_int", "compress", "group_scores", "matmul_f32",
-           "merge_rows", "split_rows"]
+__all__ = ["EvictionPolicy", "KVPolicy", "KeepSet", "check_int", "check_scores", "compress", "group_scores",
+           "hook_name", "matmul_f32", "merge_rows", "split_rows"]
 
 Kind = Literal["dense", "eviction", "selection"]
 
@@ -76,14 +77,53 @@ class KVPolicy:
 
     def capacity(self, table: torch.Tensor, *, longest: int, chunk: int) -> int:
         """Most slots a row can hold over contexts up to ``longest`` fed in chunks of ``chunk``
-        (``table``: budget by context length): the whole context unless the policy evicts."""
+        (``table``: budget by context length): the whole context unless the policy evicts.
+
+        The engine allocates this many slots per row (rounded up to whole pages of
+        `pool_page_size`) once per call, and nothing grows the pool later: the answer must cover
+        the most slots a row ever holds, before any compression that reduces it (an eviction
+        policy: ``max budget + buffer + chunk``, `EvictionPolicy.capacity`). A forward or a
+        compression event that needs more raises a ``ValueError`` naming the policy and the
+        hook ``capacity`` (`sparsecorr.decoding.cache.SparseKVCache`)."""
         return longest
 
     def score(self, *, keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
               positions: torch.Tensor, query_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-slot scores ``[B, H_kv, S]`` (higher = keep). ``query_valid [B, W]`` marks which
-        observation-window queries are real (None = all; a row that has seen fewer than W tokens
-        has fewer)."""
+        r"""Per-slot scores, higher = keep; `compress` keeps the ``budget`` best of each
+        (row, KV head) and always the protected sink / recent slots.
+
+        **What it receives.** A compression event scores *every layer in one call*: the layers
+        are stacked along the batch axis, layer-major, so each tensor has ``n·B`` rows, row
+        ``l·B + b`` being sequence ``b`` of the ``l``-th layer scored (``n = L`` layers; one
+        layer at a time, ``n = 1``, when autograd is on). No layer id is passed: ``score``
+        cannot tell layers apart and must not depend on the row index; layers differ only
+        through their own keys and queries. A rule that reads only ``positions`` keeps the same
+        set in every layer. Keyword arguments:
+
+        - ``keys`` ``[n·B, H_kv, S, D]`` (post-RoPE, the pool's dtype), ``valid``
+          ``[n·B, H_kv, S]`` bool, ``positions`` ``[n·B, H_kv, S]`` long (true positions);
+        - ``queries`` ``[n·B, H_q, W, D]``: what the policy's state gives
+          (`PolicyState.score_inputs`; the base state gives ``W = 0``);
+        - ``query_valid`` ``[n·B, W]`` (only when the state gives it): which window queries are
+          real; ``key_norms`` / ``unit_sum`` only for a policy with ``key_norms = True``.
+
+        **What it returns.** A floating-point ``torch.Tensor`` of shape ``valid.shape``
+        (``[n·B, H_kv, S]``), on the keys' device; checked once per `compress` call (host
+        metadata, no sync): anything else raises a ``ValueError`` naming the policy and the hook
+        ``score``. Scores of invalid slots are ignored. Scores of valid slots must be
+        **finite**: that is not checked (it would sync the device), and torch's ``topk`` ranks
+        NaN and +inf above every protected slot, while -inf ties with the invalid slots.
+        Scores are read in float64 and **ties go to the more recent token**: the rank key is
+        \(\mathrm{score} + 10^{-12}\cdot\mathrm{position}\) (keep \(|\mathrm{score}| \lesssim
+        10^3\) for that term to survive float64 rounding).
+
+        **It must be pure**: the same inputs give the same scores, with no random draws and no
+        state across calls. Teacher forcing (`sparsecorr.decoding.teacher_forced_logprobs`)
+        scores the same keys again and reproduces the decode only if the kept sets come out the
+        same; a seeded generator inside ``score`` drew different sets in the replay and moved
+        the log-probs by up to 0.15 nats. Randomness belongs in the inputs (e.g. a hash of
+        ``positions``), or record the kept sets (``generate(record_keep=True)``) and replay them.
+        """
         raise NotImplementedError(f"{type(self).__name__} does not score tokens")
 
 
@@ -208,6 +248,26 @@ def _protected(policy: KVPolicy, valid: torch.Tensor, rank: torch.Tensor) -> tor
     return parts[0] if len(parts) == 1 else parts[0] | parts[1]
 
 
+def hook_name(policy: KVPolicy, hook: str) -> str:
+    """``"ClassName(name='...').hook"``: how a contract error names a policy's hook."""
+    return f"{type(policy).__name__}(name={policy.name!r}).{hook}"
+
+
+def check_scores(policy: KVPolicy, scores: object, valid: torch.Tensor) -> None:
+    """Raise a ``ValueError`` naming the policy and the hook ``score`` unless ``scores`` is a
+    floating-point tensor of ``valid``'s shape on its device (`KVPolicy.score`'s contract; host
+    metadata only, no sync)."""
+    if (isinstance(scores, torch.Tensor) and scores.is_floating_point()
+            and scores.shape == valid.shape and scores.device == valid.device):
+        return
+    got = (f"{scores.dtype} tensor of shape {tuple(scores.shape)} on {scores.device}"
+           if isinstance(scores, torch.Tensor) else
+           f"{type(scores).__module__}.{type(scores).__qualname__} of shape {getattr(scores, 'shape', '?')}")
+    raise ValueError(f"{hook_name(policy, 'score')}: expected a floating-point torch.Tensor of shape "
+                     f"{tuple(valid.shape)} ([L·B, H_kv, S]: the layers stacked along the batch, as "
+                     f"valid) on {valid.device}, got a {got}")
+
+
 def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
              positions: torch.Tensor, budget: int | torch.Tensor,
              query_valid: torch.Tensor | None = None, max_budget: int | None = None,
@@ -248,6 +308,7 @@ def compress(policy: KVPolicy, *, keys: torch.Tensor, queries: torch.Tensor, val
     if unit_sum is not None:
         extra["unit_sum"] = unit_sum
     scores = policy.score(keys=keys, queries=queries, valid=valid, positions=positions, **extra)
+    check_scores(policy, scores, valid)
     # ties (frequent after max pooling) go to the more recent token, by true position, so the
     # kept set does not depend on where a row's tokens sit in the slot axis (padding, batching)
     key = torch.add(scores.double(), positions, alpha=1e-12)
