@@ -65,6 +65,12 @@ class SparseCorrConfig:
             ``True`` needs ``cuda_graph`` not ``False``. Logged as ``sparsecorr/rollout/fused``.
         backend: the sampler's attention backend (``"auto"``: FlashInfer on CUDA when installed,
             else ``"torch"``; or ``"torch"``, ``"flashinfer"``, ``"reference"``).
+        sparse_max_num_seqs: most rollouts the sparse sampler decodes at once
+            (``generate(..., max_num_seqs=...)``). ``None`` (default): the memory plan alone
+            decides (on CUDA, 0.9 × the free memory over one row's KV pool and policy state). A
+            generation batch larger than the plan runs through the continuous-batching
+            scheduler (rows admitted as others finish) instead of failing with out-of-memory.
+            Needs ``policy``.
 
     Raises:
         ValueError: on an unknown preset or policy, a correction that is neither a name nor a
@@ -94,6 +100,7 @@ class SparseCorrConfig:
     cuda_graph: bool | None = None
     fused_step: bool | None = None
     backend: str = "auto"
+    sparse_max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         self.build()
@@ -139,6 +146,11 @@ class SparseCorrConfig:
         if self.backend not in ("auto", "torch", "flashinfer", "reference"):
             raise ValueError(f"backend: expected one of ['auto', 'torch', 'flashinfer', 'reference'], "
                              f"got {self.backend!r}")
+        n = self.sparse_max_num_seqs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"sparse_max_num_seqs: expected None or an int >= 1, got {n!r}")
+        if n is not None and self.policy is None:
+            raise ValueError("sparse_max_num_seqs: caps sparsecorr's sampler (set policy), got policy=None")
         check_positive("distill_lr", self.distill_lr, allow_zero=True)
         check_positive("distill_kl_weight", self.distill_kl_weight, allow_zero=True)
 

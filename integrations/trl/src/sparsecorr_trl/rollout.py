@@ -96,10 +96,12 @@ def use_cuda_graph(model, option: bool | None) -> bool:
 def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_new_tokens: int,
                     eos_token_id, pad_token_id: int, generator: torch.Generator,
                     sampling: dict, logprobs_topk: int = 0, cuda_graph: bool | None = None,
-                    backend: str = "auto", fused_step: bool | None = None) -> SparseRollouts:
+                    backend: str = "auto", fused_step: bool | None = None,
+                    max_num_seqs: int | None = None) -> SparseRollouts:
     """Sample one completion per prompt with the sparse sampler (and record its top-k
     log-probs, for the acceptance rate, when ``logprobs_topk > 0``). ``cuda_graph``: None = on
-    for a CUDA model (see `use_cuda_graph`); ``fused_step``: ``generate``'s ``fused``."""
+    for a CUDA model (see `use_cuda_graph`); ``fused_step``: ``generate``'s ``fused``;
+    ``max_num_seqs``: ``generate``'s (rows decoded at once; None = the memory plan)."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("prompt_ids: expected non-empty token id lists, got an empty prompt")
     ids, mask = _pad(prompt_ids, pad_token_id)
@@ -107,7 +109,8 @@ def sparse_rollouts(model, prompt_ids: list[list[int]], *, policy, budget, max_n
         batch = generate(model, ids, mask, policy=policy, budget=budget,
                          max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                          generator=generator, logprobs_topk=logprobs_topk, backend=backend,
-                         cuda_graph=use_cuda_graph(model, cuda_graph), fused=fused_step, **sampling)
+                         cuda_graph=use_cuda_graph(model, cuda_graph), fused=fused_step,
+                         max_num_seqs=max_num_seqs, **sampling)
     lengths = batch.lengths.tolist()
     tokens, logp = batch.tokens.tolist(), batch.rollout_logp.tolist()  # host tensors: one pass each
     completions = [row[:n] for row, n in zip(tokens, lengths)]

@@ -177,7 +177,8 @@ class SparseGRPOTrainer(_trainer_base()):
                 eos_token_id=list(self.eos_token_ids), pad_token_id=self._tokenizer.pad_token_id or 0,
                 generator=self._sparsecorr_generator, sampling=sampling_kwargs(self.args),
                 logprobs_topk=topk, cuda_graph=self.sparsecorr_config.cuda_graph,
-                backend=self.sparsecorr_config.backend, fused_step=self.sparsecorr_config.fused_step)
+                backend=self.sparsecorr_config.backend, fused_step=self.sparsecorr_config.fused_step,
+                max_num_seqs=self.sparsecorr_config.sparse_max_num_seqs)
         self.sparsecorr_rollout_engine = {"backend": out.backend, "cuda_graph": out.cuda_graph, "fused": out.fused}
         if topk:
             self._sparsecorr_topk = (out.topk_logp, out.topk_ids)
