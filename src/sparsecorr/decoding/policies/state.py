@@ -133,8 +133,10 @@ class PolicyState:
 
     def score_inputs(self, event: Any, keys: torch.Tensor, first: int, stop: int, s: int) -> dict:
         """What ``policy.score`` reads beside keys, validity and positions for layers
-        ``first .. stop - 1`` stacked along the batch (``keys [n·B, H_kv, s, D]``): at least
-        ``queries`` ``[n·B, H_q, W, D]`` (none here)."""
+        ``first .. stop - 1`` stacked along the batch, layer-major (``keys [n·B, H_kv, s, D]``):
+        at least ``queries`` ``[n·B, H_q, W, D]`` (none here), and optionally ``query_valid``
+        ``[n·B, W]``, ``key_norms``, ``unit_sum`` (the keywords `compress` passes on). Only the
+        state knows ``first`` and ``stop``; ``score`` is told no layer id (`KVPolicy.score`)."""
         n_b, h, _, d = keys.shape
         return {"queries": keys.new_zeros(n_b, h, 0, d)}
 
