@@ -237,3 +237,23 @@ def test_release_and_close_leave_nothing_alive(tracked, no_gc, monkeypatch):
     with pytest.raises(RuntimeError, match="closed"):
         sched.step()
     del failed
+
+
+@pytest.mark.parametrize("policy", [RKV(window=3, buffer=2), SnapKV(window=3, buffer=2)], ids=lambda p: p.name)
+def test_the_graph_step_at_one_batch_size_equals_eager(policy, cpu_graphs):
+    """The CUDA-graph code path (the eager stand-in runner on the CPU): one capture for the whole
+    run (the batch never changes size), the same tokens and log-probs as eager steps."""
+    prompts = _prompts(5, seed=7)
+    runs = []
+    for graph in (False, True):
+        sched = _sched(policy, max_num_seqs=2, cuda_graph=graph)
+        for i, p in enumerate(prompts):
+            sched.add_request(str(i), p, GREEDY)
+        runs.append(_drain(sched))
+        if graph:
+            assert sched.engine.graphs.status == "on" and sched.engine.graphs.captures == 1
+        sched.close()
+    eager, graph = runs
+    for i in eager:
+        assert eager[i].token_ids == graph[i].token_ids
+        torch.testing.assert_close(eager[i].logprobs, graph[i].logprobs, atol=1e-5, rtol=0)
