@@ -1,7 +1,9 @@
 """The policies' math as it stood before issue 36 (commit 1ac3959), kept as the reference the
 closed-form and op-lean versions are checked against: float32 copies of the keys, unit keys
-normalised twice, position argsorts, per-layer keep counts. Test code only, never imported by
-``src``."""
+normalised twice, position argsorts, per-layer keep counts. Since issue 51 SnapKV's votes are
+causal inside the window and pooled before it (`snapkv_score`), and R-KV's earlier scoring is
+``RKV(scoring="minmax")`` (`rkv_score`; R-KV's own rule is checked against a port of its code in
+``tests/unit/decoding/references``). Test code only, never imported by ``src``."""
 
 from __future__ import annotations
 
@@ -35,9 +37,34 @@ def pool_scores(scores, *, kernel, pooling):
     return y.reshape(b, h, -1)[..., :s]
 
 
+def causal_group_scores(queries, keys, valid, query_valid=None):
+    """`group_scores` with SnapKV's causal mask inside the observation window (issue 51): window
+    query ``t`` is the token of the ``t``-th of the last ``W`` valid keys and sees keys up to it
+    (every key where its own is gone; padding queries are not masked, they do not vote)."""
+    b, hq, w, d = queries.shape
+    hkv = keys.shape[1]
+    g = hq // hkv
+    q = queries.float().reshape(b, hkv, g, w, d)
+    logits = torch.einsum("bhgwd,bhsd->bhgws", q, keys.float()) * d**-0.5
+    rank = valid.long().cumsum(-1)  # [B, H, S]
+    own = valid.sum(-1)[:, :, None] - w + 1 + torch.arange(w)  # [B, H, W]
+    hidden = (rank[:, :, None, :] > own[..., None]) & (own[..., None] >= 1)
+    if query_valid is not None:
+        hidden = hidden & query_valid[:, None, :, None]
+    logits = logits.masked_fill(hidden[:, :, None], float("-inf"))
+    logits = logits.masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    if query_valid is not None:
+        probs = probs * query_valid[:, None, None, :, None].to(probs.dtype)
+    return probs.sum(dim=3).mean(dim=2)
+
+
 def snapkv_score(pol, keys, queries, valid, query_valid=None):
-    imp = group_scores(queries, keys, valid, query_valid)
-    return pool_scores(imp.masked_fill(~valid, 0.0), kernel=pol.kernel, pooling=pol.pooling)
+    """SnapKV since issue 51: causal votes, kept only for the keys before the window, pooled."""
+    imp = causal_group_scores(queries, keys, valid, query_valid)
+    rank = valid.long().cumsum(-1)
+    scored = valid & (rank <= valid.sum(-1, keepdim=True) - pol.window)
+    return pool_scores(imp.masked_fill(~scored, 0.0), kernel=pol.kernel, pooling=pol.pooling)
 
 
 def _unit_keys(keys, valid):
@@ -65,6 +92,7 @@ def _minmax(x, valid):
 
 
 def rkv_score(pol, keys, queries, valid, query_valid=None):
+    """``RKV(scoring="minmax")`` (R-KV's scoring before issue 51)."""
     imp = pool_scores(group_scores(queries, keys, valid, query_valid).masked_fill(~valid, 0.0),
                       kernel=pol.kernel, pooling="max")
     red = key_redundancy(keys, valid)

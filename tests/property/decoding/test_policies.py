@@ -24,22 +24,31 @@ def kv(draw, max_s=24):
     return keys, queries, valid, positions, budget
 
 
-def _loop_snapkv_scores(keys, queries, valid, kernel):
+def _loop_snapkv_scores(keys, queries, valid, kernel, *, causal=False):
+    """Pooled window votes. ``causal`` (SnapKV since issue 51, as ``SnapKVCluster``): window query
+    ``t`` (oldest first) is the token of the ``t``-th of the last ``W`` valid keys and sees the keys
+    up to its own (all of them if its own is gone); only the keys before the window are voted for
+    and pooled. Otherwise (R-KV's ``scoring="minmax"``): every query sees every valid key."""
     b, h, s, d = keys.shape
     g = queries.shape[1] // h
+    w = queries.shape[2]
     out = torch.zeros(b, h, s, dtype=torch.float64)
     for bi in range(b):
         for hi in range(h):
             idx = [j for j in range(s) if valid[bi, hi, j]]
             votes = [0.0] * s
             for gi in range(g):
-                for wi in range(queries.shape[2]):
+                for wi in range(w):
                     q = queries[bi, hi * g + gi, wi].double()
-                    logits = [float(q @ keys[bi, hi, j].double()) / math.sqrt(d) for j in idx]
+                    own = len(idx) - w + 1 + wi  # keys of rank <= own are visible
+                    seen = idx[:own] if causal and own >= 1 else idx
+                    logits = [float(q @ keys[bi, hi, j].double()) / math.sqrt(d) for j in seen]
                     m = max(logits)
                     z = sum(math.exp(x - m) for x in logits)
-                    for j, x in zip(idx, logits):
+                    for j, x in zip(seen, logits):
                         votes[j] += math.exp(x - m) / z / g
+            if causal:  # votes for the keys before the window only
+                votes = [v if j in idx[:max(len(idx) - w, 0)] else 0.0 for j, v in enumerate(votes)]
             pad = kernel // 2
             for j in range(s):
                 window = [votes[t] for t in range(j - pad, j + pad + 1) if 0 <= t < s]
@@ -91,7 +100,7 @@ def test_snapkv_equals_loop_reference(data, kernel):
     keys, queries, valid, positions, budget = data
     pol = SnapKV(window=queries.shape[2], kernel=kernel, sink=0)
     scores = pol.score(keys=keys, queries=queries, valid=valid, positions=positions)
-    ref = _loop_snapkv_scores(keys, queries, valid, kernel)
+    ref = _loop_snapkv_scores(keys, queries, valid, kernel, causal=True)
     torch.testing.assert_close(torch.where(valid, scores.double(), 0.0), torch.where(valid, ref, 0.0),
                                atol=1e-5, rtol=1e-5)
     keep = compress(pol, keys=keys, queries=queries, valid=valid, positions=positions, budget=budget)
@@ -157,7 +166,7 @@ def test_block_topk_selection_rule(data, page):
 
 
 def _loop_rkv_keep(keys, queries, valid, positions, budget, pol):
-    """R-KV's kept set, restated with loops: pooled window votes and mean pairwise cosine
+    """``RKV(scoring="minmax")``'s kept set, restated with loops: pooled window votes and mean pairwise cosine
     similarity, each min-max normalised per (row, head), mixed, then the keep rule."""
     imp = _loop_snapkv_scores(keys, queries, valid, pol.kernel)
     b, h, s, _ = keys.shape
@@ -195,7 +204,7 @@ def test_rkv_redundancy_and_kept_set_equal_loop(data):
     keys, queries, valid, positions, budget = data
     red = key_redundancy(keys, valid)
     assert torch.isfinite(red).all() and (red[~valid] == 0).all()
-    pol = RKV(window=queries.shape[2], kernel=3, buffer=0)
+    pol = RKV(window=queries.shape[2], kernel=3, buffer=0, scoring="minmax")
     score, expect = _loop_rkv_keep(keys, queries, valid, positions, budget, pol)
     for bi in range(score.shape[0]):  # tie-free inputs only (a near-tie may flip at 1e-7)
         for hi in range(score.shape[1]):

@@ -103,7 +103,7 @@ def test_snapkv_and_rkv_scores_equal_todays(data):
     got = snap.score(keys=keys, queries=queries, valid=valid, positions=positions, query_valid=qv)
     want = ref.snapkv_score(snap, keys, queries, valid, qv)
     torch.testing.assert_close(torch.where(valid, got, 0.0), torch.where(valid, want, 0.0), atol=tol, rtol=0)
-    rkv = RKV(window=w, kernel=3)
+    rkv = RKV(window=w, kernel=3, scoring="minmax")
     imp = ref.pool_scores(ref.group_scores(queries, keys, valid, qv).masked_fill(~valid, 0), kernel=3, pooling="max")
     # min-max of a near-constant term amplifies rounding: such rows are near-ties by definition
     assume(_ranges_ok(imp, valid, 1e-3) and _ranges_ok(ref.key_redundancy(keys, valid), valid, 1e-3))
@@ -114,7 +114,8 @@ def test_snapkv_and_rkv_scores_equal_todays(data):
 
 @pytest.mark.parametrize("make", [lambda w: StreamingLLM(sink=2, window=1), lambda w: SnapKV(window=w, kernel=3),
                                   lambda w: SnapKV(window=w, kernel=1, sink=1, pooling="avg"),
-                                  lambda w: RKV(window=w, kernel=3), lambda w: RKV(window=w, kernel=1, sink=2)],
+                                  lambda w: RKV(window=w, kernel=3, scoring="minmax"),
+                                  lambda w: RKV(window=w, kernel=1, sink=2, scoring="minmax")],
                          ids=["streaming", "snapkv", "snapkv-avg-sink", "rkv", "rkv-sink"])
 @given(data=cache())
 @settings(max_examples=30)

@@ -5,7 +5,8 @@ measures numerics apart from the agreement of the selection.
 The setting is ENGINE-READING-2026-11-26 §4's: a tiny Qwen3 (4 layers, 8/2 heads, head_dim 32),
 a ragged batch of 4 x 300, budget 64, buffer 16, prefill_chunk 128, 96 greedy tokens; decoded
 with the ``torch`` backend in the model's dtype, replayed with the float32 ``reference``. In
-float32 the two runs keep identical sets and agree to 1e-6. In bf16 a near-tied SnapKV / R-KV
+float32 the two runs keep identical sets and agree to 1e-6 (R-KV's own thresholded rule, the
+default since issue 51: all but a near-tie, and to 1e-5 with the sets replayed). In bf16 a near-tied SnapKV / R-KV
 score flips the kept set (reproduced here: without the replay SnapKV's MAD is about 0.02 on the
 CPU, twice the 1e-2 target); with the decode's sets replayed the MAD is the dense level (~0.002).
 """
@@ -26,7 +27,9 @@ from sparsecorr.decoding import (
 )
 from tests.models import tiny_model
 
-EVICTION = [SnapKV(buffer=16), RKV(buffer=16), StreamingLLM(buffer=16)]
+#: R-KV's identity of free kept sets in float32 is the earlier scoring's (``scoring="minmax"``);
+#: R-KV's own rule (the default) is tested apart (`test_float32_rkv_default_replays_its_kept_sets`)
+EVICTION = [SnapKV(buffer=16), RKV(buffer=16, scoring="minmax"), StreamingLLM(buffer=16)]
 
 
 def _setup(dtype, seed=0):
@@ -70,7 +73,23 @@ def test_float32_kept_sets_are_identical_and_the_replay_exact(policy):
     assert ks.agreement(replayed.kept_sets).identical == 1.0
 
 
-@pytest.mark.parametrize("policy", EVICTION[:2], ids=lambda p: p.name)
+def test_float32_rkv_default_replays_its_kept_sets():
+    """R-KV's own rule (the default scoring) thresholds the key cosines at 0.5 (its
+    most-recent-near-duplicate rule): float32 rounding between the decode's ``torch`` backend and
+    the replay's ``reference`` backend can move a key pair across the threshold and flip a near-tie
+    (one set of 248 here), so the free replay keeps almost the same sets; with the decode's sets
+    replayed the replay keeps exactly them and its log-probs are the decode's to float32 rounding."""
+    out, free, replayed = _decode_and_replays(RKV(buffer=16), torch.float32)
+    ks = out.kept_sets
+    assert isinstance(ks, KeptSets) and ks.rows.numel() > 0
+    assert bool(((ks.positions >= 0).sum(-1) == 64).all())  # budget 64 kept per layer and head
+    agree = ks.agreement(free.kept_sets)
+    assert agree.events == ks.rows.numel() and agree.jaccard > 0.999
+    assert ks.agreement(replayed.kept_sets).identical == 1.0
+    assert _mad(out, replayed, out.mask) < 1e-5
+
+
+@pytest.mark.parametrize("policy", [*EVICTION[:2], RKV(buffer=16)], ids=["snapkv", "rkv-minmax", "rkv"])
 def test_bf16_log_probs_under_the_replayed_kept_sets(policy, capsys):
     """Numerics (MAD < 1e-2 with the decode's kept sets replayed) reported apart from the
     agreement of the selection (printed: it is not a numerical property in bf16)."""

@@ -1,19 +1,56 @@
-r"""``RKV(window=8, kernel=7, mix=0.1, buffer=128)``: R-KV, Sparse-RL's main compression.
+r"""``RKV(window=8, kernel=7, mix=0.1, buffer=128)``: R-KV (Cai et al., 2025), Sparse-RL's compression.
 
-Score = ``mix`` · importance − (1 − ``mix``) · redundancy (Sparse-RL, Luo et al., ACL 2026,
-after R-KV): importance is SnapKV's pooled observation-window attention; redundancy of a key is
-its mean cosine similarity to the other valid keys of the same head (reasoning traces repeat
-themselves; a key like many others carries little). Both terms are min-max normalised per
-(sequence, head) before mixing so ``mix`` weighs comparable quantities (our choice: the source
-does not say how they are scaled). Compression runs when the cache reaches budget + buffer
-(every 128 decode steps in Sparse-RL).
+**Default scoring, ``scoring="r_kv"``: R-KV's, as its authors' code computes it** (reference:
+github.com/Zefan-Cai/R-KV, ``rkv/compression/r1_kv.py`` ``R1KV.update_kv`` and ``rkv/utils.py``
+``compute_attention_scores`` / ``cal_similarity``, commit ``d15c9767e67c2bd9807128fecc35223fa2484a69``).
+Of a row's valid keys the last ``window`` are kept outright and the others are *scored*:
+
+1. importance: the observation window's logits, for GQA the **maximum over the query heads
+   of a group of the logits** (``compute_attention_scores(pooling="max")``), scaled by
+   \(1/\sqrt D\); one softmax per window query **over the scored keys only**; the **mean** over
+   the window's queries; max-pooled along the sequence with width ``kernel`` (the pooling stops
+   at the scored keys' end: the window's keys are not pooled in);
+2. redundancy: R-KV's thresholded cosine rule, softmax-normalised over all the row's keys
+   (`sparsecorr.decoding.policies.redundancy.rkv_redundancy`: mean cosine to the other keys,
+   less each key's share as the most recent near-duplicate (cosine > ``threshold``) of another);
+3. score = ``mix`` · importance − (1 − ``mix``) · redundancy, on the scored keys.
+
+``mix`` is λ: 0.1 as in R-KV's README table and Sparse-RL (``mix_alpha=0.1`` in
+``srt/managers/tp_worker.py``); R-KV's code defaults to ``mix_lambda=0.07``.
+
+Deliberate differences from the reference code: float32 throughout (R-KV rounds the importance
+to the model's dtype before pooling and forms the cosines in it: ties in bf16, nothing else);
+unit keys divide by \(\max(\lVert k\rVert, 10^{-12})\) where R-KV adds \(10^{-8}\) to the norm (the
+same to float rounding); ties go to the more recent token (R-KV's ``topk`` picks any); a batch of
+rows (R-KV reads ``key_states[0]``: batch 1) with padding left out of every sum, mean and
+softmax; ``sink`` (0 by default, as R-KV has none) protects the first tokens.
+
+**``variant="sparse_rl"``**: Sparse-RL's fork (github.com/lsjia/Sparse-RL,
+``sglang-kvc/python/sglang/compress/r1kv_utils.py`` ``KVCluster.get_compress_indices``, configured
+in ``sglang-kvc/python/sglang/srt/managers/tp_worker.py`` with ``attn_pooling="max"``,
+``pooling="maxpool"``, ``mix_alpha=0.1``; commit ``182c0b26aeb8f2f6c6f12134c7f57cfe65f95376``):
+the same per-head score, summed over the KV heads, so **one kept set per layer** is shared by
+its heads. Sparse-RL also keeps the prompt whole until the first decode-time compression
+(``RadixAttention.compress``); the engine compresses between prefill chunks when a row passes
+``budget + buffer``, which a policy cannot change: not reproduced.
+
+**``scoring="minmax"``**: the scoring this project used before (commit ``d7f0ddf``): SnapKV's
+votes (per-head softmax averaged over the group, over every valid key) and the plain mean
+cosine (`key_redundancy`), each min-max normalised per (row, head). At ``mix=0`` it keeps what
+kvpress's ``KeyDiffPress`` keeps. Use it to reproduce runs made before the change, or for a
+redundancy-driven policy whose compression event stays O(S·D) per head; it is not R-KV.
+
+**Budget**: a compression keeps ``budget`` slots, so the step that triggers it (``budget +
+buffer + 1`` slots: compression runs once a row holds more than ``budget + buffer``) attends
+``budget + buffer + 1`` tokens, the steps after it between ``budget + 1`` and that.
 
 R-KV's state (`RKVState`) is SnapKV's observation ring plus what its redundancy term reads at
 every compression without re-reading the keys for it: every written key's norm (float32
 accumulation), stored once per step for every layer and compacted with the keys, and the sum of
 the unit keys of each row's valid slots, brought up to date at each compression over the slots
 written since the last one and the evicted ones only. Not with autograd (per-layer K/V tensors):
-then the score computes both from the keys.
+then the score computes both from the keys. The near-duplicate rule needs the S×S cosines on
+top (`near_duplicate_drop`): an O(S²·D) GEMM per head at each compression event.
 """
 
 from __future__ import annotations
@@ -26,118 +63,67 @@ import torch
 from ..kernels import window_votes
 from ..pool import take_rows
 from .base import EvictionPolicy, matmul_f32, merge_rows, split_rows
-from .snapkv import RingState, check_window_policy, pool_scores
+from .redundancy import (
+    _redundancy_from,
+    _unit_sum,
+    key_redundancy,
+    mix_minmax,
+    rkv_redundancy,
+    unit_weights,
+    weighted_key_sum,
+)
+from .snapkv import RingState, before_window, check_window_policy, pool_scores
 from .state import PolicyState
 
-__all__ = ["RKV", "RKVState", "UnitSumUpdate", "key_redundancy", "rkv_parts", "unit_weights", "weighted_key_sum"]
+__all__ = ["RKV", "RKVState", "UnitSumUpdate", "key_redundancy", "mix_minmax", "rkv_parts", "rkv_terms",
+           "unit_weights", "weighted_key_sum"]
 
 
-def _valid_range(x: torch.Tensor, valid: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max of ``x`` over the valid slots of each row (``first``: a valid slot's index, or
-    any slot in a row without one): the invalid entries are replaced by a valid one (which
-    changes neither) and one ``aminmax`` reads the row, so no ``±inf`` fill per bound.
-
-    Shapes:
-        x, valid ``[B, H, S]``; first ``[B, H, 1]`` long -> two ``[B, H, 1]``.
-    """
-    lo, hi = torch.where(valid, x, x.gather(-1, first)).aminmax(dim=-1, keepdim=True)
-    return lo, hi
-
-
-def mix_minmax(imp: torch.Tensor, red: torch.Tensor, valid: torch.Tensor, *, mix: float) -> torch.Tensor:
-    r"""\(\mathrm{mix}\cdot\hat{\mathrm{imp}} - (1-\mathrm{mix})\cdot\hat{\mathrm{red}}\), each term
-    min-max normalised over the valid slots of its (sequence, head): \(\hat x = (x - \min x) /
-    \max(\max x - \min x, 10^{-12})\); 0 at invalid slots. Computed as
-    \((i - \min i)\,a_i + (r - \min r)\,a_r\) with the per-row factors
-    \(a_i = \mathrm{mix} / \mathrm{range}_i\), \(a_r = -(1 - \mathrm{mix}) / \mathrm{range}_r\):
-    four ``[B, H, S]`` ops after the two masked ranges (`_valid_range`), the same values to
-    float rounding.
-
-    Shapes:
-        imp, red, valid ``[B, H, S]`` -> ``[B, H, S]`` float32.
-    """
-    first = valid.to(torch.uint8).argmax(-1, keepdim=True)  # a valid slot of each row (0 if none)
-    lo_i, hi_i = _valid_range(imp, valid, first)
-    lo_r, hi_r = _valid_range(red, valid, first)
-    a_i = mix / (hi_i - lo_i).clamp(min=1e-12)
-    a_r = -(1.0 - mix) / (hi_r - lo_r).clamp(min=1e-12)
-    score = torch.addcmul((imp - lo_i) * a_i, red - lo_r, a_r)
-    return score.masked_fill_(~valid, 0.0)
+def _window_rows(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, norms, unit_sum):
+    r"""One GEMM of the keys against the window's queries and the unit-key sum \(s\) (two bf16 rows
+    for a bf16 cache): the logits ``[B, H, G·W, S]`` and every \(k_j\cdot s\), plus the norms and
+    unit weights (`_unit_sum`)."""
+    b, hq, w, d = queries.shape
+    hkv = keys.shape[1]
+    n, wt, s = _unit_sum(keys, valid, norms, unit_sum)
+    # (queries of another dtype than the keys promote the rows; matmul_f32 then upcasts both)
+    rows = torch.cat([queries.reshape(b, hkv, hq // hkv * w, d), split_rows(s, keys.dtype)], dim=-2)
+    out = matmul_f32(rows, keys.transpose(-1, -2))  # [B, H, G·W + 1 or 2, S]
+    gw = hq // hkv * w
+    return out[:, :, :gw], merge_rows(out[:, :, gw:], 1)[:, :, 0], n, wt
 
 
-_EPS = 1e-12  # F.normalize's floor on a key's norm (a zero key has unit key 0)
+def rkv_terms(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
+              query_valid: torch.Tensor | None = None, norms: torch.Tensor | None = None,
+              unit_sum: torch.Tensor | None = None, *, window: int,
+              threshold: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""R-KV's two terms as its code computes them (module docstring), before pooling and mixing.
 
-
-def unit_weights(mask: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    r"""\(w_j = \mathrm{mask}_j / \max(n_j, 10^{-12})\): the weights that turn keys into unit keys
-    (``F.normalize``'s floor) and drop the slots outside ``mask``, float32. Shapes: ``[..., S]``."""
-    return mask / norms.clamp(min=_EPS)
-
-
-def weighted_key_sum(w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    r"""\(\sum_j w_j k_j\) with float32 accumulation, reading the keys as stored (one GEMV; the
-    float32 weights split into two rows for a bf16 cache, `split_rows`).
+    \(\mathrm{imp}_j = \frac{1}{|W|}\sum_{w} \mathrm{softmax}_{j \in \mathcal S}\big(\max_g
+    q_{gw}\cdot k_j / \sqrt D\big)\) over the scored keys \(\mathcal S\) (valid, not among the row's
+    last ``window``; exactly 0 elsewhere) and the valid window queries \(w\) (``query_valid``); and
+    `rkv_redundancy` over all valid keys. One GEMM gives the logits and the closed-form
+    column sums (the unit-key sum rides as extra rows, as in `rkv_parts`); the max over the
+    group is one ``amax``; the softmax and mean are the op ``sparsecorr::window_votes`` (fused on
+    CUDA) with weights \(m_w / |W|\).
 
     Shapes:
-        w ``[..., S]`` float32; keys ``[..., S, D]`` -> ``[..., 1, D]`` float32.
+        keys ``[B, H_kv, S, D]``; queries ``[B, H_q, W, D]``; valid ``[B, H_kv, S]``; query_valid
+        ``[B, W]`` or None; norms ``[B, H_kv, S]`` float32 or None; unit_sum ``[B, H_kv, 1, D]``
+        float32 or None -> two ``[B, H_kv, S]`` float32.
     """
-    return merge_rows(matmul_f32(split_rows(w[..., None, :], keys.dtype), keys), 1)
-
-
-def _unit_sum(keys: torch.Tensor, valid: torch.Tensor, norms: torch.Tensor | None = None,
-              unit_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""Norms, per-slot weights and the sum of the unit keys, from the keys as stored.
-
-    \(n_j = \lVert k_j\rVert\) (float32 accumulation), \(w_j = \mathrm{valid}_j / \max(n_j, \epsilon)\)
-    and \(s = \sum_j w_j k_j = \sum_{j\ \mathrm{valid}} \hat k_j\): one norm pass and one GEMV over
-    the keys (the float32 weights split into two bf16 rows for a bf16 cache, see
-    `split_rows`). Given ``norms`` (kept by the pool as the keys are written), the norm pass is
-    skipped and the keys are read once here; given ``unit_sum`` too (the pool keeps \(s\) as well,
-    `RKVState.sync_unit_sums`), not at all.
-
-    Shapes:
-        keys ``[B, H, S, D]``; valid ``[B, H, S]``; norms ``[B, H, S]`` float32 or None -> n, w
-        ``[B, H, S]`` and s ``[B, H, 1, D]`` float32.
-    """
-    n = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32) if norms is None else norms
-    w = unit_weights(valid, n)
-    if unit_sum is not None:
-        return n, w, unit_sum
-    return n, w, weighted_key_sum(w, keys)
-
-
-def _redundancy_from(dots: torch.Tensor, n: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    r"""\((n - 1)\,\mathrm{red}_j = w_j (k_j \cdot s) - (w_j n_j)^2\) (0 at invalid slots, where \(w_j = 0\))."""
-    u = w * n
-    return torch.addcmul(w * dots, u, u, value=-1.0)
-
-
-def key_redundancy(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    r"""Mean cosine similarity of each valid key to the other valid keys: ``[B, H_kv, S]``.
-
-    With unit keys \(\hat k_j = k_j / \max(\lVert k_j\rVert, \epsilon)\) (``F.normalize``'s
-    definition, \(\epsilon = 10^{-12}\)) and \(n\) valid keys,
-
-    \[ \mathrm{red}_j = \frac{1}{n-1}\sum_{t \ne j} \hat k_j \cdot \hat k_t
-       = \frac{\hat k_j \cdot s - \lVert \hat k_j\rVert^2}{n - 1},
-       \qquad s = \sum_t \hat k_t . \]
-
-    In closed form from the stored keys: with \(n_j = \lVert k_j\rVert\) and
-    \(w_j = 1/\max(n_j, \epsilon)\), \(\hat k_j \cdot s = w_j\,(k_j \cdot s)\) and
-    \(\lVert \hat k_j\rVert^2 = (w_j n_j)^2\) (1 unless the key is (near) zero), and
-    \(s = \sum_t w_t k_t\). So the keys are read three times (norms, \(s\), the dot products), in
-    their own dtype with float32 accumulation, and no unit-key (or float32) copy of them is made;
-    the S×S similarity matrix is never formed. A zero key has similarity 0 to everything; invalid
-    slots and rows with a single valid key score 0.
-
-    Shapes:
-        keys ``[B, H_kv, S, D]``; valid ``[B, H_kv, S]`` bool -> ``[B, H_kv, S]`` float32.
-    """
-    n, w, s = _unit_sum(keys, valid)
-    dots = matmul_f32(split_rows(s, keys.dtype), keys.transpose(-1, -2))  # [B, H, 1 or 2, S]
-    red = _redundancy_from(merge_rows(dots, 1)[:, :, 0], n, w)
-    others = valid.sum(-1, keepdim=True) - 1
-    return (red / others.clamp(min=1)).masked_fill_(others < 1, 0.0)  # one valid key: 0, not rounding
+    _, hq, w, d = queries.shape
+    g = hq // keys.shape[1]
+    logits, dots, n, wt = _window_rows(queries, keys, valid, norms, unit_sum)
+    if g > 1:  # R-KV's GQA: the group's largest logit, then one softmax
+        logits = logits.unflatten(2, (g, w)).amax(2)
+    scored = before_window(valid, window)
+    if query_valid is None:
+        imp = window_votes(logits, scored, None, group=w, scale=d**-0.5)
+    else:  # the mean over the real window queries
+        share = query_valid / query_valid.sum(-1, keepdim=True).clamp(min=1)
+        imp = window_votes(logits, scored, share, group=1, scale=d**-0.5)
+    return imp, rkv_redundancy(keys, valid, dots, n, wt, threshold=threshold)
 
 
 def rkv_parts(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
@@ -158,15 +144,10 @@ def rkv_parts(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor,
         ``[B, H_kv, 1, D]`` float32 or None (only with norms) -> two
         ``[B, H_kv, S]`` float32.
     """
-    b, hq, w, d = queries.shape
-    hkv = keys.shape[1]
-    g = hq // hkv
-    n, wt, s = _unit_sum(keys, valid, norms, unit_sum)
-    # (queries of another dtype than the keys promote the rows; matmul_f32 then upcasts both)
-    rows = torch.cat([queries.reshape(b, hkv, g * w, d), split_rows(s, keys.dtype)], dim=-2)
-    out = matmul_f32(rows, keys.transpose(-1, -2))  # [B, H, G·W + 1 or 2, S]
-    votes = window_votes(out[:, :, :g * w], valid, query_valid, group=g, scale=d**-0.5)
-    red = _redundancy_from(merge_rows(out[:, :, g * w:], 1)[:, :, 0], n, wt)
+    d = queries.shape[-1]
+    logits, dots, n, wt = _window_rows(queries, keys, valid, norms, unit_sum)
+    votes = window_votes(logits, valid, query_valid, group=queries.shape[1] // keys.shape[1], scale=d**-0.5)
+    red = _redundancy_from(dots, n, wt)
     return votes, red
 
 
@@ -329,10 +310,20 @@ class RKVState(RingState):
             self.keep_unit_sums(kept, after.counts, low=after.low)
 
 
+_SCORINGS = ("r_kv", "minmax")
+_VARIANTS = ("r_kv", "sparse_rl")
+
+
 @dataclass(frozen=True)
 class RKV(EvictionPolicy):
-    """Importance minus key redundancy (see the module docstring). Eviction; scoring costs a
-    W×S attention plus an O(S·D) key redundancy per head at each compression event."""
+    """R-KV (see the module docstring): ``mix`` · importance − (1 − ``mix``) · redundancy.
+    Eviction; each compression event costs a W×S attention per head plus, for the default
+    scoring, the S×S key cosines per head (``scoring="minmax"``: an O(S·D) closed form).
+
+    ``scoring``: ``"r_kv"`` (R-KV's code, the default) or ``"minmax"`` (this project's earlier
+    scoring); ``variant``: ``"r_kv"`` (one kept set per KV head) or ``"sparse_rl"`` (Sparse-RL's
+    fork: the heads' scores summed, one kept set per layer); ``threshold``: the cosine above which
+    two keys are near-duplicates (R-KV's 0.5; ``scoring="r_kv"`` only)."""
 
     name: ClassVar[str] = "rkv"
     key_norms: ClassVar[bool] = True
@@ -342,14 +333,33 @@ class RKV(EvictionPolicy):
     mix: float = 0.1
     buffer: int = 128
     sink: int = 0
+    scoring: str = "r_kv"
+    variant: str = "r_kv"
+    threshold: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.mix, bool) or not isinstance(self.mix, (int, float)) or not 0.0 <= self.mix <= 1.0:
             raise ValueError(f"mix: expected a number in [0, 1], got {self.mix!r}")
+        if self.scoring not in _SCORINGS:
+            raise ValueError(f"scoring: expected one of {_SCORINGS}, got {self.scoring!r}")
+        if self.variant not in _VARIANTS:
+            raise ValueError(f"variant: expected one of {_VARIANTS}, got {self.variant!r}")
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
+            raise ValueError(f"threshold: expected a number in [0, 1), got {t!r}")
         check_window_policy(self)
 
     def score(self, *, keys, queries, valid, positions, query_valid=None, key_norms=None,
               unit_sum=None) -> torch.Tensor:
-        votes, red = rkv_parts(keys, queries, valid, query_valid, key_norms, unit_sum)
-        imp = pool_scores(votes, kernel=self.kernel, pooling="max")
-        return mix_minmax(imp, red, valid, mix=self.mix)
+        if self.scoring == "minmax":
+            votes, red = rkv_parts(keys, queries, valid, query_valid, key_norms, unit_sum)
+            score = mix_minmax(pool_scores(votes, kernel=self.kernel, pooling="max"), red, valid, mix=self.mix)
+        else:
+            imp, red = rkv_terms(keys, queries, valid, query_valid, key_norms, unit_sum, window=self.window,
+                                 threshold=self.threshold)
+            # imp >= 0 and exactly 0 off the scored keys: the max pooling stops at their end
+            score = torch.sub(pool_scores(imp, kernel=self.kernel, pooling="max") * self.mix, red,
+                              alpha=1.0 - self.mix)
+        if self.variant == "sparse_rl":  # Sparse-RL: final_score.sum(dim=1), one set for the layer
+            score = score.sum(1, keepdim=True).expand_as(score)
+        return score

@@ -4,6 +4,21 @@ The last ``window`` queries vote for the keys they attend to; votes are summed o
 averaged over the query heads of each KV group, and smoothed along the sequence with a 1-D
 pooling of width ``kernel`` so neighbouring tokens survive together.
 
+Reference: github.com/FasterDecoding/SnapKV, ``snapkv/monkeypatch/snapkv_utils.py``
+``SnapKVCluster.update_kv``, commit ``e216ddc84c5bd210378cbdbbba12ba02102aa640``. As there, a
+window query attends causally inside the observation window (the query of the window's
+\(t\)-th key sees the window's keys up to its own), the softmax runs over every key, and only the
+keys before the window are voted for and pooled: the pooling stops at the window's boundary
+(its ``max`` padding, or the zeros an ``avg`` pooling counts, lie past the last scored key), so
+the window's large self-votes do not spill into the last scored tokens. Deliberate differences:
+float32 votes (SnapKV rounds them to the model's dtype: ties in bf16, nothing else); for GQA the
+votes are averaged over the query heads of a KV group (SnapKV's code scores one KV head per
+query head); padding is left out of the softmax; ties go to the more recent token; ``sink``
+(0 by default) protects the first tokens.
+
+**Budget**: a compression keeps ``budget`` slots; it runs once a row holds more than ``budget +
+buffer``, so the step that triggers it attends ``budget + buffer + 1`` tokens.
+
 The engine keeps those queries in an **observation ring** (`RingState`, SnapKV's state, which
 R-KV extends): every layer's last ``window`` queries, a copy, so no layer's prefill query tensor
 stays alive. The query at position \(p\) lives in column \(p \bmod W\), so a step writes each
@@ -20,11 +35,13 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from ..kernels import window_votes
 from ..pool import take_rows
-from .base import EvictionPolicy, KVPolicy, check_int, group_scores
+from .base import EvictionPolicy, KVPolicy, check_int, matmul_f32
 from .state import PlanInputs, PolicyState
 
-__all__ = ["RingState", "SnapKV", "check_window_policy", "pool_scores", "ring_order", "ring_slots"]
+__all__ = ["RingState", "SnapKV", "before_window", "causal_votes", "check_window_policy", "pool_scores", "ring_order",
+           "ring_slots"]
 
 
 def pool_scores(scores: torch.Tensor, *, kernel: int, pooling: str) -> torch.Tensor:
@@ -39,6 +56,41 @@ def pool_scores(scores: torch.Tensor, *, kernel: int, pooling: str) -> torch.Ten
     else:
         y = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
     return y.reshape(b, h, s)
+
+
+_HIDDEN = -1e30  # a future key's logit in the window (finite: a row of them gives no NaN)
+
+
+def causal_votes(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
+                 query_valid: torch.Tensor | None = None) -> torch.Tensor:
+    r"""SnapKV's votes with its causal mask inside the observation window: the ``W`` window
+    queries (oldest first) are the tokens of the row's last ``W`` valid keys, and query \(t\) sees
+    the keys of rank \(\le n - W + 1 + t\) (\(n\) valid keys; all keys where that is below 1, a
+    query older than every kept key). Softmax over the valid, visible keys; summed over the
+    window (``query_valid``: the real queries), averaged over each KV group (`window_votes`).
+
+    Shapes:
+        queries ``[B, H_q, W, D]``; keys ``[B, H_kv, S, D]``; valid ``[B, H_kv, S]`` -> ``[B, H_kv, S]`` float32.
+    """
+    b, hq, w, d = queries.shape
+    hkv = keys.shape[1]
+    g = hq // hkv
+    logits = matmul_f32(queries.reshape(b, hkv, g * w, d), keys.transpose(-1, -2))  # [B, H, G·W, S]
+    rank = valid.cumsum(-1)[:, :, None, :]  # [B, H, 1, S]
+    own = rank[..., -1:] - w + 1 + torch.arange(w, device=keys.device)[:, None]  # [B, H, W, 1]: the query's key
+    future = (rank > own) & (own >= 1)
+    if query_valid is not None:
+        future &= query_valid[:, None, :, None]
+    logits.unflatten(2, (g, w)).masked_fill_(future[:, :, None], _HIDDEN)
+    return window_votes(logits, valid, query_valid, group=g, scale=d**-0.5)
+
+
+def before_window(valid: torch.Tensor, window: int) -> torch.Tensor:
+    """The valid slots before the row's last ``window`` valid ones (what SnapKV and R-KV score).
+
+    Shapes: ``[B, H, S]`` bool -> ``[B, H, S]`` bool."""
+    rank = valid.cumsum(-1)
+    return valid & (rank <= rank[..., -1:] - window)
 
 
 def check_window_policy(policy: KVPolicy) -> None:
@@ -158,7 +210,8 @@ class RingState(PolicyState):
 
 @dataclass(frozen=True)
 class SnapKV(EvictionPolicy):
-    """Observation-window attention, pooled. Eviction; scoring costs one W×S attention."""
+    """Observation-window attention (causal inside the window), pooled over the keys before the
+    window (see the module docstring). Eviction; scoring costs one W×S attention."""
 
     name: ClassVar[str] = "snapkv"
     state_type: ClassVar[type[PolicyState]] = RingState
@@ -174,6 +227,7 @@ class SnapKV(EvictionPolicy):
         check_window_policy(self)
 
     def score(self, *, keys, queries, valid, positions, query_valid=None) -> torch.Tensor:
-        # group_scores is exactly 0 at invalid slots of any row with a valid key
-        imp = group_scores(queries, keys, valid, query_valid)
-        return pool_scores(imp, kernel=self.kernel, pooling=self.pooling)
+        votes = causal_votes(queries, keys, valid, query_valid)
+        # only the keys before the window are voted for: zeros elsewhere stop the pooling there
+        votes = votes.masked_fill_(~before_window(valid, self.window), 0.0)
+        return pool_scores(votes, kernel=self.kernel, pooling=self.pooling)
