@@ -148,10 +148,13 @@ class Scheduler:
 
     Args:
         model: the Hugging Face causal LM (kept in eval mode during each step).
-        policy: the KV policy; budget: as ``generate``'s.
+        policy: the KV policy.
+        budget: as ``generate``'s (an int, None = dense, or an object with ``budget_at``).
         max_model_len: most tokens (prompt + response) of one request; sizes each row.
-        backend, cuda_graph, fused, prefill_chunk: as ``generate``'s (``fused=None``: on with
-            ``cuda_graph``).
+        backend: as ``generate``'s.
+        cuda_graph: as ``generate``'s (the batch never changes size: one capture).
+        fused: as ``generate``'s (None: on with ``cuda_graph``).
+        prefill_chunk: prompt tokens per row and prefill forward.
         max_num_seqs: most rows resident at once (None = the memory plan decides).
         max_kv_bytes: bytes the pool and the policy's state may take (None = free device memory
             on CUDA; on another device, without either cap, 64 rows: `sparsecorr.decoding.memory`).
@@ -159,7 +162,7 @@ class Scheduler:
         generator: the RNG of sampling requests without a seed.
     """
 
-    def __init__(self, model: PreTrainedModel, *, policy: KVPolicy, budget, max_model_len: int,
+    def __init__(self, model: PreTrainedModel, *, policy: KVPolicy, budget: int | object | None, max_model_len: int,
                  backend: str = "auto", cuda_graph: bool = False, fused: bool | None = None,
                  prefill_chunk: int = 512, max_num_seqs: int | None = None, max_kv_bytes: int | None = None,
                  eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None) -> None:
