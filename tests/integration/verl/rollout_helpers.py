@@ -1,6 +1,6 @@
 """Shared pieces of the ``rollout.name=sparsecorr`` tests: the tiny model saved where verl's
-``HFModelConfig`` reads it, verl's real rollout / model configs, and the direct
-``sparsecorr.decoding.generate`` call a server batch must equal."""
+``HFModelConfig`` reads it, verl's real rollout / model configs, an in-process server, and the
+direct ``sparsecorr.decoding.generate`` call a served request must equal."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def need_verl_and_ray():
     load_verl()
 
 
-def save_tiny(path: Path) -> Path:
+def save_tiny(path: Path, *, max_position_embeddings: int = 64) -> Path:
     """The tiny Qwen3 (float32, EOS id 2) as a Hugging Face checkpoint directory."""
-    model = tiny_model("qwen3", max_position_embeddings=64)
+    model = tiny_model("qwen3", max_position_embeddings=max_position_embeddings)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(path)
     return path
@@ -46,6 +46,22 @@ def model_config(path: Path):
     from verl.workers.config import HFModelConfig
 
     return HFModelConfig(path=str(path), load_tokenizer=False)
+
+
+def make_server(ckpt: Path, *, engine: dict | None = None, **fields):
+    """An in-process ``SparseCorrServer`` over the saved checkpoint (hybrid mode)."""
+    from sparsecorr_verl.rollout import SparseCorrServer
+    from verl.workers.rollout.replica import RolloutMode
+
+    return SparseCorrServer(config=rollout_config(engine=engine, **fields), model_config=model_config(ckpt),
+                            rollout_mode=RolloutMode.HYBRID)
+
+
+def policy_copy(ckpt: Path):
+    """The checkpoint loaded as the server loads it (CPU)."""
+    from sparsecorr_verl.rollout import load_policy_copy
+
+    return load_policy_copy(str(ckpt), device=torch.device("cpu"))
 
 
 def direct(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,

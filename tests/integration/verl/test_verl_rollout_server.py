@@ -1,13 +1,13 @@
-"""``SparseCorrServer`` (the body of the ``rollout.name=sparsecorr`` Ray actor), driven in this
-process through its async methods: batching equals one direct ``generate``, differing requests,
-weight updates, memory release and aborts. The Ray-served path is in test_verl_rollout_ray.py."""
+"""``SparseCorrServer`` (the body of the ``rollout.name=sparsecorr`` Ray actor) on the
+continuous-batching scheduler, driven in this process through its async methods: concurrent
+requests equal direct ``generate`` calls, per-request seeds and parameters, bad requests and
+failing steps that stay with their callers, weight updates. Abort, drain, release and the
+head-of-line case are in test_verl_rollout_lifecycle.py; the Ray-served path in
+test_verl_rollout_ray.py."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
-import importlib
-import weakref
 
 import pytest
 import torch
@@ -15,8 +15,9 @@ import torch
 from tests.integration.verl.rollout_helpers import (
     PROMPTS,
     direct,
-    model_config,
+    make_server,
     need_verl_and_ray,
+    policy_copy,
     rollout_config,
     save_tiny,
 )
@@ -34,22 +35,16 @@ def ckpt(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny"))
 
 
-def _server(ckpt, *, engine=None, **fields):
-    from sparsecorr_verl.rollout import SparseCorrServer
-    from verl.workers.rollout.replica import RolloutMode
-
-    return SparseCorrServer(config=rollout_config(engine=engine, **fields), model_config=model_config(ckpt),
-                            rollout_mode=RolloutMode.HYBRID)
+def _server(ckpt, **kw):
+    return make_server(ckpt, **kw)
 
 
 def _copy(ckpt):
-    from sparsecorr_verl.rollout import load_policy_copy
-
-    return load_policy_copy(str(ckpt), device=torch.device("cpu"))
+    return policy_copy(ckpt)
 
 
 def _eight():
-    """2 prompts x 4 requests, ids sorting as the rows of the direct batch."""
+    """2 prompts x 4 requests."""
     return [(f"req-{i}", PROMPTS[i // 4]) for i in range(8)]
 
 
@@ -59,54 +54,70 @@ async def _serve(server, requests, params):
     return list(reversed(outs))
 
 
-@pytest.mark.parametrize("params,seed", [({"temperature": 0.0}, None),
-                                         ({"temperature": 1.0, "top_k": 50, "top_p": 0.9, "seed": 7}, 7)])
-def test_eight_concurrent_requests_equal_one_direct_generate(ckpt, params, seed):
-    """Greedy, and seeded sampling: one batch of 8 (the window is long, the batch fills),
-    rows ordered by request id, equals ``generate`` on the same 8 prompts with the seed."""
-    server = _server(ckpt, engine={**_engine(), "batch_window_ms": 2000})
-    outs = asyncio.run(_serve(server, _eight(), {**params, "logprobs": True, "max_tokens": 6}))
-    state = asyncio.run(server.state())
-    assert state["batches_run"] == 1
-    ref = direct(_copy(ckpt), [p for _, p in _eight()], max_new_tokens=6, temperature=params["temperature"],
-                 seed=seed, top_k=params.get("top_k"), top_p=params.get("top_p"))
-    for out, (tokens, logp) in zip(outs, ref):
-        assert out.stop_reason == "completed"
-        assert out.token_ids == tokens
-        torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(logp), rtol=0, atol=0)
-    if seed is not None:  # sampling really happened: the 4 copies of a prompt differ
-        assert len({tuple(o.token_ids) for o in outs[:4]}) > 1
-
-
 def _engine():
     from tests.integration.verl.rollout_helpers import ENGINE
 
     return dict(ENGINE)
 
 
-def test_mixed_max_tokens_and_sampling_params(ckpt):
-    """max_tokens differing inside a batch: each row is the direct batch's row cut at its own
-    length; differing temperatures split the requests into two engine calls."""
-    server = _server(ckpt, engine={**_engine(), "batch_window_ms": 300})
+def _same_logp(got, want):
+    """The scheduler's log-probs against one direct ``generate``: the parity tests' tolerance (its
+    fixed batch differs from the direct call's, so float sums may round differently)."""
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)
+
+
+def test_eight_concurrent_greedy_requests_equal_direct_generate(ckpt):
+    """8 concurrent greedy requests share the running batch; each equals the direct ``generate``
+    of its prompt, and nothing ever waits beyond ``rollout.max_num_seqs`` rows."""
+    server = _server(ckpt)
+    outs = asyncio.run(_serve(server, _eight(), {"temperature": 0.0, "logprobs": True, "max_tokens": 6}))
+    ref = direct(_copy(ckpt), list(PROMPTS), max_new_tokens=6)
+    for (_, prompt), out in zip(_eight(), outs, strict=True):
+        tokens, logp = ref[PROMPTS.index(prompt)]
+        assert out.stop_reason == "completed" and out.token_ids == tokens
+        _same_logp(out.log_probs, logp)
+    state = asyncio.run(server.state())
+    assert state["rows"] == 8 and state["max_resident"] <= 8 and state["waiting"] == state["running"] == 0
+
+
+def test_seeded_requests_sample_from_their_own_seed(ckpt):
+    """A request's ``seed`` is its own generator (vLLM's per-request seed): its tokens are the same
+    sent alone or among others; copies of a prompt with different seeds differ."""
+    server = _server(ckpt)
+    params = {"temperature": 1.0, "top_k": 50, "top_p": 0.9, "max_tokens": 6}
+    requests = [(f"s{i}", PROMPTS[i % 2], i) for i in range(6)]
+
+    async def run():
+        await server.launch_server()
+        together = await asyncio.gather(*[server.generate(p, {**params, "seed": s}, rid) for rid, p, s in requests])
+        alone = [await server.generate(p, {**params, "seed": s}, rid + "-alone") for rid, p, s in requests]
+        return together, alone
+
+    together, alone = asyncio.run(run())
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert len({tuple(o.token_ids) for o in together[0::2]}) > 1  # one prompt, three seeds
+
+
+def test_mixed_max_tokens_and_sampling_params_share_the_batch(ckpt):
+    """Requests with different ``max_tokens`` and temperatures decode in the same steps; each
+    greedy row is the direct ``generate`` cut at its own length."""
+    server = _server(ckpt)
 
     async def run():
         await server.launch_server()
         greedy = [server.generate(PROMPTS[i % 2], {"temperature": 0.0, "max_tokens": 2 + i, "logprobs": True},
                                   f"g{i}") for i in range(4)]
-        seeded = [server.generate(PROMPTS[i % 2], {"temperature": 0.7, "seed": 3, "max_tokens": 5,
-                                                   "logprobs": False}, f"s{i}") for i in range(2)]
-        return await asyncio.gather(*greedy, *seeded)
+        sampled = [server.generate(PROMPTS[i % 2], {"temperature": 0.7, "seed": 3, "max_tokens": 5,
+                                                    "logprobs": False}, f"s{i}") for i in range(2)]
+        return await asyncio.gather(*greedy, *sampled)
 
     outs = asyncio.run(run())
-    assert asyncio.run(server.state())["batches_run"] == 2
-    model = _copy(ckpt)
-    ref = direct(model, [PROMPTS[i % 2] for i in range(4)], max_new_tokens=5)
+    assert asyncio.run(server.state())["max_resident"] == 6  # one running batch
+    ref = direct(_copy(ckpt), [PROMPTS[i % 2] for i in range(4)], max_new_tokens=5)
     for i, out in enumerate(outs[:4]):
         assert out.token_ids == ref[i][0][:2 + i]
-        assert out.log_probs == pytest.approx(ref[i][1][:2 + i], abs=0)
-    ref_s = direct(model, [PROMPTS[0], PROMPTS[1]], max_new_tokens=5, temperature=0.7, seed=3)
-    assert [o.token_ids for o in outs[4:]] == [r[0] for r in ref_s]
-    assert all(o.log_probs is None for o in outs[4:])  # logprobs=False: none returned
+        _same_logp(out.log_probs, ref[i][1][:2 + i])
+    assert all(len(o.token_ids) == 5 and o.log_probs is None for o in outs[4:])  # logprobs=False: none
 
 
 def test_over_long_prompt_and_unsupported_inputs_name_the_field(ckpt):
@@ -127,6 +138,55 @@ def test_over_long_prompt_and_unsupported_inputs_name_the_field(ckpt):
     # max_tokens beyond the context is clamped (as verl's vLLM server does): 12 - 9 = 3 tokens
     out = asyncio.run(run(PROMPTS[0], {"temperature": 0.0, "max_tokens": 50}))
     assert len(out.token_ids) == 3
+
+
+def test_a_bad_request_fails_only_its_caller_and_the_next_completes(ckpt):
+    """Concurrent with good requests, requests with a bad parameter get a ValueError naming the
+    field; the others, and the next request, complete."""
+    server = _server(ckpt)
+    good = {"temperature": 0.0, "max_tokens": 4}
+
+    async def run():
+        await server.launch_server()
+        outs = await asyncio.gather(
+            server.generate(PROMPTS[0], dict(good), "good-0"),
+            server.generate(PROMPTS[0], {**good, "top_p": 0.0}, "bad-top-p"),
+            server.generate(PROMPTS[1], {**good, "seed": -1, "temperature": 1.0}, "bad-seed"),
+            server.generate(PROMPTS[1], {**good, "stop_token_ids": ["x"]}, "bad-stop"),
+            server.generate(PROMPTS[1], dict(good), "good-1"), return_exceptions=True)
+        return outs, await server.generate(PROMPTS[0], dict(good), "next")
+
+    outs, nxt = asyncio.run(run())
+    assert isinstance(outs[1], ValueError) and "sampling_params.top_p" in str(outs[1])
+    assert isinstance(outs[2], ValueError) and "sampling_params.seed" in str(outs[2])
+    assert isinstance(outs[3], ValueError) and "sampling_params.stop_token_ids" in str(outs[3])
+    assert outs[0].stop_reason == outs[4].stop_reason == nxt.stop_reason == "completed"
+
+
+def test_an_error_inside_a_step_fails_its_rows_and_the_server_goes_on(ckpt):
+    """A forward that raises fails the requests of that step (their callers get the error); the
+    next request completes and equals the direct ``generate``."""
+    server = _server(ckpt)
+
+    async def run():
+        await server.launch_server()
+        armed = {"on": True}
+
+        def boom(_module, _args):
+            if armed["on"]:
+                raise RuntimeError("injected forward failure")
+
+        handle = server.model.model.layers[0].register_forward_pre_hook(boom)
+        try:
+            failed = await asyncio.gather(server.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 4}, "a"),
+                                          return_exceptions=True)
+        finally:
+            handle.remove()
+        return failed[0], await server.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 4}, "b")
+
+    failed, nxt = asyncio.run(run())
+    assert isinstance(failed, RuntimeError) and "injected forward failure" in str(failed)
+    assert nxt.token_ids == direct(_copy(ckpt), [PROMPTS[0]], max_new_tokens=4)[0][0]
 
 
 def test_update_weights_then_rollout_equals_direct_generate(ckpt):
@@ -152,7 +212,8 @@ def test_update_weights_then_rollout_equals_direct_generate(ckpt):
         for n, p in model.named_parameters():
             p.copy_(perturbed[n])
     tokens, logp = direct(model, [PROMPTS[0]], max_new_tokens=6)[0]
-    assert after.token_ids == tokens and after.log_probs == pytest.approx(logp, abs=0)
+    assert after.token_ids == tokens
+    _same_logp(after.log_probs, logp)
     assert after.log_probs != before.log_probs
     with pytest.raises(ValueError, match=r"named_tensors: 'nope.weight' is not a parameter"):
         asyncio.run(_update(server, [("nope.weight", torch.zeros(1))]))
@@ -161,84 +222,6 @@ def test_update_weights_then_rollout_equals_direct_generate(ckpt):
 async def _update(server, pairs):
     await server.launch_server()
     return await server.update_weights(pairs)
-
-
-@pytest.fixture
-def tracked_pools(monkeypatch):
-    """Weak references to every KV pool and pool tensor the engine creates."""
-    engine_mod = importlib.import_module("sparsecorr.decoding.engine")
-    from sparsecorr.decoding.pool import KVPool
-
-    refs: list[weakref.ref] = []
-
-    class TrackedPool(KVPool):
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            refs.append(weakref.ref(self))
-            refs.extend(weakref.ref(t) for t in (*self.k, *self.v))
-
-    monkeypatch.setattr(engine_mod, "KVPool", TrackedPool)
-    gc.collect()
-    gc.disable()
-    try:
-        yield refs
-    finally:
-        gc.enable()
-
-
-def test_release_kv_cache_leaves_no_pool_and_resume_serves(ckpt, tracked_pools):
-    """With the cycle collector off: after ``release_kv_cache`` no pool (nor pool tensor) is
-    alive; a request sent while released waits, and is served after ``resume_kv_cache``."""
-    server = _server(ckpt)
-
-    async def run():
-        await server.launch_server()
-        await asyncio.gather(*[server.generate(p, {"temperature": 0.0, "max_tokens": 4}, f"r{i}")
-                               for i, p in enumerate(PROMPTS)])
-        await server.release_kv_cache()
-        alive = sum(r() is not None for r in tracked_pools)
-        pending = asyncio.ensure_future(server.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 4}, "late"))
-        await asyncio.sleep(0.2)
-        waited = not pending.done()
-        await server.resume_kv_cache()
-        out = await pending
-        await server.sleep()
-        await server.wake_up()
-        again = await server.generate(PROMPTS[1], {"temperature": 0.0, "max_tokens": 4}, "again")
-        return alive, waited, out, again
-
-    alive, waited, out, again = asyncio.run(run())
-    assert len(tracked_pools) > 0 and alive == 0
-    assert waited and out.stop_reason == "completed" and len(out.token_ids) == 4
-    assert again.stop_reason == "completed"
-
-
-def test_abort_all_requests_resolves_waiting_as_aborted(ckpt):
-    server = _server(ckpt)
-
-    async def run():
-        await server.launch_server()
-        await server.release_kv_cache()  # nothing runs: every request waits
-        waiting = [asyncio.ensure_future(server.generate(PROMPTS[0], {"max_tokens": 3}, f"w{i}")) for i in range(3)]
-        await asyncio.sleep(0.1)
-        report = await server.abort_all_requests()
-        outs = await asyncio.gather(*waiting)
-        late = asyncio.ensure_future(server.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 3}, "late"))
-        await asyncio.sleep(0.1)
-        parked = not late.done()
-        await server.resume_generation()
-        await server.resume_kv_cache()
-        rejected = None
-        late_out = await late
-        await server.abort_all_requests(reject_request=True)
-        rejected = await server.generate(PROMPTS[0], {"max_tokens": 3}, "rejected")
-        return report, outs, parked, late_out, rejected
-
-    report, outs, parked, late_out, rejected = asyncio.run(run())
-    assert report["aborted_count"] == 3 and sorted(report["request_ids"]) == ["w0", "w1", "w2"]
-    assert all(o.stop_reason == "aborted" and o.token_ids == [] for o in outs)
-    assert parked and late_out.stop_reason == "completed"
-    assert rejected.stop_reason == "aborted"
 
 
 def test_engine_options_come_from_engine_kwargs_and_are_checked():
@@ -258,13 +241,14 @@ def test_engine_options_come_from_engine_kwargs_and_are_checked():
     assert engine_options(custom).budget == 8
 
 
-def test_full_determinism_seeds_every_batch_like_verls_vllm_server(ckpt):
+def test_full_determinism_seeds_every_request_like_verls_vllm_server(ckpt):
     """``rollout.full_determinism``: a request without a seed samples with ``rollout.seed +
-    replica_rank``, so the same batch sent twice gives the same tokens."""
-    server = _server(ckpt, full_determinism=True, seed=5, engine={**_engine(), "batch_window_ms": 1000})
+    replica_rank`` (its own generator), so the same requests on two servers give the same tokens,
+    and two requests with one prompt give the same tokens (as vLLM's per-request seed)."""
     params = {"temperature": 1.0, "max_tokens": 6, "logprobs": True}
-    first = asyncio.run(_serve(server, _eight(), params))
-    server = _server(ckpt, full_determinism=True, seed=5, engine={**_engine(), "batch_window_ms": 1000})
-    again = asyncio.run(_serve(server, _eight(), params))
-    ref = direct(_copy(ckpt), [p for _, p in _eight()], max_new_tokens=6, temperature=1.0, seed=5)
-    assert [o.token_ids for o in first] == [o.token_ids for o in again] == [r[0] for r in ref]
+    first = asyncio.run(_serve(_server(ckpt, full_determinism=True, seed=5), _eight(), params))
+    again = asyncio.run(_serve(_server(ckpt, full_determinism=True, seed=5), _eight(), params))
+    other = asyncio.run(_serve(_server(ckpt, full_determinism=True, seed=6), _eight(), params))
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert len({tuple(o.token_ids) for o in first[:4]}) == 1
+    assert [o.token_ids for o in first] != [o.token_ids for o in other]

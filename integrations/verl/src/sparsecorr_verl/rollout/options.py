@@ -5,11 +5,14 @@ engine_kwargs.sparsecorr`` (beside ``engine_kwargs.vllm`` / ``.sglang``); ``roll
 sparsecorr`` is read too when that is where a config put them (setting both is an error).
 The defaults are those of the TRL glue's ``SparseCorrConfig``: the ``auto`` backend, CUDA graphs
 and the fused step on for a model on a CUDA device; the policy defaults to ``dense`` (the
-engine with the full KV cache), since a server needs one.
+engine with the full KV cache), since a server needs one. The server's scheduler keeps at most
+``max_batch_size`` (default ``rollout.max_num_seqs``) rows resident, fewer when its memory plan
+(``max_kv_bytes``, else free device memory) fits fewer.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +39,13 @@ class EngineOptions:
         cuda_graph: ``generate``'s ``cuda_graph``; None = on for a model on CUDA.
         fused_step: ``generate``'s ``fused``; None = on whenever the CUDA-graph step is.
         prefill_chunk: ``generate``'s ``prefill_chunk`` (prompt tokens per prefill forward).
-        max_batch_size: most requests in one engine call; None = ``rollout.max_num_seqs``.
-        batch_window_ms: how long the first waiting request waits for others to join its batch.
+        max_batch_size: most requests resident in the running batch at once (the scheduler's
+            ``max_num_seqs``); None = ``rollout.max_num_seqs``.
+        max_kv_bytes: bytes the scheduler's KV pool and policy state may take (its memory plan);
+            None = planned from the device's free memory when the server launches.
+        batch_window_ms: deprecated and ignored (the server batched requests in windows before
+            it ran on the continuous-batching scheduler; a request now joins the running batch
+            at the next step). Setting it warns.
     """
 
     policy: str = "dense"
@@ -49,7 +57,8 @@ class EngineOptions:
     fused_step: bool | None = None
     prefill_chunk: int | None = 512
     max_batch_size: int | None = None
-    batch_window_ms: float = 5.0
+    max_kv_bytes: int | None = None
+    batch_window_ms: float | None = None
 
     def __post_init__(self) -> None:
         from sparsecorr.decoding import get_policy
@@ -59,6 +68,7 @@ class EngineOptions:
         _check_count("budget", self.budget)
         _check_count("prefill_chunk", self.prefill_chunk)
         _check_count("max_batch_size", self.max_batch_size)
+        _check_count("max_kv_bytes", self.max_kv_bytes)
         if self.budget is not None and self.schedule is not None:
             raise ValueError("budget/schedule: expected one of them, got both")
         if sparse and self.budget is None and self.schedule is None:
@@ -77,8 +87,12 @@ class EngineOptions:
             raise ValueError("fused_step: compiles the CUDA-graph decode step, got fused_step=True with "
                              "cuda_graph=False")
         window = self.batch_window_ms
-        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window <= 60_000:
-            raise ValueError(f"batch_window_ms: expected a number in [0, 60000], got {window!r}")
+        if window is not None:
+            if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window <= 60_000:
+                raise ValueError(f"batch_window_ms: expected a number in [0, 60000], got {window!r}")
+            warnings.warn("engine_kwargs.sparsecorr.batch_window_ms is deprecated and ignored: the server "
+                          "runs on the continuous-batching scheduler, where a request joins the running "
+                          "batch at the next step", DeprecationWarning, stacklevel=3)
 
     def build_policy(self):
         """The ``KVPolicy`` object."""

@@ -1,13 +1,10 @@
-"""One verl request (``prompt_ids``, ``sampling_params``) as what an engine call needs, and one
-engine call over a batch of them.
+"""One verl request (``prompt_ids``, ``sampling_params``) as what the scheduler needs.
 
 verl's agent loop sends ``temperature``, ``top_p``, ``top_k`` (-1 = off), ``repetition_penalty``
 and ``logprobs`` (bool), and optionally ``max_tokens`` (or SGLang's ``max_new_tokens``),
-``seed`` and ``ignore_eos``. Requests whose `SamplingKey` differs cannot share an engine call
-(``generate`` takes one temperature, top-k, top-p, generator and stop set per batch);
-``max_tokens`` and ``logprobs`` may differ inside one batch: the batch decodes up to the largest
-``max_tokens`` and each row is cut at its own (the tokens before a row's cut do not depend on
-where the cut is).
+``seed``, ``ignore_eos`` and ``stop_token_ids`` (verl's tool agent loop adds its tool parser's
+stop tokens; they stop a request besides EOS, as in vLLM). Each request carries its own sampling into the running batch
+(`sparsecorr.decoding.RequestParams`): requests with different parameters share steps.
 """
 
 from __future__ import annotations
@@ -19,51 +16,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["Completion", "EngineRequest", "SamplingKey", "parse_request", "run_batch"]
+from sparsecorr.decoding import RequestParams
+
+__all__ = ["EngineRequest", "parse_request", "request_params"]
 
 _KNOWN = frozenset({"temperature", "top_p", "top_k", "repetition_penalty", "logprobs", "max_tokens",
-                    "max_new_tokens", "seed", "ignore_eos"})
+                    "max_new_tokens", "seed", "ignore_eos", "stop_token_ids"})
 
 
-@dataclass(frozen=True)
-class SamplingKey:
-    """What requests must share to be decoded in one engine call.
-
-    Attributes:
-        temperature: 0 = greedy.
-        top_k: None = off.
-        top_p: None = off.
-        seed: None = the server's own generator; else a generator seeded with it for the batch.
-        ignore_eos: decode to ``max_tokens`` without stopping at EOS.
-    """
-
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    seed: int | None
-    ignore_eos: bool
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineRequest:
-    """A validated request: ``prompt`` token ids, ``max_tokens`` to generate, its `SamplingKey`,
-    and whether the caller wants the log-probs back."""
+    """A validated request: ``prompt`` token ids, its per-request ``params`` (``max_tokens``
+    clamped to the room left in ``max_model_len``), and whether the caller wants the
+    log-probs back."""
 
     request_id: str
     prompt: tuple[int, ...]
-    max_tokens: int
-    key: SamplingKey
+    params: RequestParams
     logprobs: bool
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One request's result: ``token_ids`` (EOS included when it was sampled), the sampler's
-    ``log_probs`` of each, and ``finish_reason`` (``generate``'s: ``eos`` or ``length``)."""
-
-    token_ids: list[int]
-    log_probs: list[float]
-    finish_reason: str
 
 
 def _number(name: str, value: Any, default: float) -> float:
@@ -74,7 +44,17 @@ def _number(name: str, value: Any, default: float) -> float:
     return float(value)
 
 
-def _sampling_key(params: Mapping[str, Any]) -> SamplingKey:
+def request_params(params: Mapping[str, Any], *, max_tokens: int, eos_token_ids: tuple[int, ...] = ()) -> RequestParams:
+    """verl's ``sampling_params`` (already checked for unknown keys) as `RequestParams`.
+
+    ``stop_token_ids`` stop the request besides ``eos_token_ids`` (vLLM's meaning); with
+    ``ignore_eos`` no token stops it (the scheduler's ``ignore_eos``: exactly ``max_tokens``).
+
+    Raises:
+        ValueError: naming the field (``sampling_params.<name>``): a temperature < 0, a top_k
+            that is not an int, a top_p outside (0, 1], a repetition penalty other than 1, a
+            seed that is not an int.
+    """
     temperature = _number("temperature", params.get("temperature"), 1.0)
     if temperature < 0:
         raise ValueError(f"sampling_params.temperature: expected >= 0, got {temperature!r}")
@@ -91,17 +71,30 @@ def _sampling_key(params: Mapping[str, Any]) -> SamplingKey:
     seed = params.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"sampling_params.seed: expected an int or None, got {seed!r}")
-    return SamplingKey(temperature=temperature, top_k=top_k if top_k and top_k > 0 else None,
-                       top_p=None if top_p >= 1.0 else top_p, seed=seed,
-                       ignore_eos=bool(params.get("ignore_eos", False)))
+    extra_stops = params.get("stop_token_ids")
+    stops = None
+    if extra_stops:
+        if not isinstance(extra_stops, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in extra_stops):
+            raise ValueError(f"sampling_params.stop_token_ids: expected a list of token ids, got {extra_stops!r}")
+        stops = tuple(sorted({*eos_token_ids, *extra_stops}))
+    try:
+        return RequestParams(max_tokens=max_tokens, temperature=temperature,
+                             top_k=top_k if top_k and top_k > 0 else None,
+                             top_p=None if top_p >= 1.0 else top_p, seed=seed, stop_token_ids=stops,
+                             ignore_eos=bool(params.get("ignore_eos", False)))
+    except ValueError as exc:  # the scheduler's own check, named as verl's field
+        raise ValueError(f"sampling_params.{exc}") from exc
 
 
 def parse_request(request_id: str, prompt_ids: Sequence[int] | torch.Tensor, sampling_params: Mapping[str, Any],
-                  *, max_model_len: int, default_max_tokens: int, vocab_size: int) -> EngineRequest:
+                  *, max_model_len: int, default_max_tokens: int, vocab_size: int,
+                  eos_token_ids: tuple[int, ...] = ()) -> EngineRequest:
     """Validate one request against the engine's capacity and make it an `EngineRequest`.
 
     ``max_tokens`` (default ``default_max_tokens``) is clamped to ``[1, max_model_len -
-    len(prompt_ids)]``, as verl's vLLM server does.
+    len(prompt_ids)]``, as verl's vLLM server does. ``eos_token_ids``: the model's stop tokens
+    (kept when a request adds ``stop_token_ids``).
 
     Raises:
         ValueError: naming the field: an empty or over-long ``prompt_ids`` (no room for one new
@@ -135,44 +128,6 @@ def parse_request(request_id: str, prompt_ids: Sequence[int] | torch.Tensor, sam
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise ValueError(f"sampling_params.max_tokens: expected an int, got {max_tokens!r}")
     max_tokens = max(1, min(max_tokens, max_model_len - len(prompt)))
-    return EngineRequest(request_id=str(request_id), prompt=prompt, max_tokens=max_tokens,
-                         key=_sampling_key(sampling_params), logprobs=bool(sampling_params.get("logprobs", False)))
-
-
-def batch_inputs(requests: Sequence[EngineRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompt ids ``[B, P]`` and their attention mask (``generate`` takes either
-    padding side)."""
-    width = max(len(r.prompt) for r in requests)
-    ids = torch.zeros(len(requests), width, dtype=torch.long)
-    mask = torch.zeros(len(requests), width, dtype=torch.long)
-    for i, r in enumerate(requests):
-        ids[i, :len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
-        mask[i, :len(r.prompt)] = 1
-    return ids, mask
-
-
-def run_batch(model, requests: Sequence[EngineRequest], *, generate_kwargs: dict[str, Any],
-              eos_token_id: int | list[int] | None, generator: torch.Generator | None) -> list[Completion]:
-    """One ``sparsecorr.decoding.generate`` call over ``requests`` (one `SamplingKey`), rows in
-    the given order; each row cut at its own ``max_tokens``.
-
-    ``generate_kwargs``: the engine options (``policy``, ``budget``, ``backend``,
-    ``cuda_graph``, ``fused``, ``prefill_chunk``).
-    """
-    from sparsecorr.decoding import generate
-
-    key = requests[0].key
-    if any(r.key != key for r in requests):
-        raise ValueError("requests: expected one sampling key per engine call, got several")
-    ids, mask = batch_inputs(requests)
-    out = generate(model, ids, mask, max_new_tokens=max(r.max_tokens for r in requests),
-                   temperature=key.temperature, top_k=key.top_k, top_p=key.top_p, logprobs_topk=0,
-                   eos_token_id=None if key.ignore_eos else eos_token_id, generator=generator,
-                   **generate_kwargs)
-    tokens, logp, lengths = out.tokens.tolist(), out.rollout_logp.tolist(), out.lengths.tolist()
-    done = []
-    for i, r in enumerate(requests):
-        n = min(lengths[i], r.max_tokens)
-        reason = out.finish_reason[i] if n == lengths[i] else "length"
-        done.append(Completion(token_ids=tokens[i][:n], log_probs=logp[i][:n], finish_reason=reason))
-    return done
+    return EngineRequest(request_id=str(request_id), prompt=prompt,
+                         params=request_params(sampling_params, max_tokens=max_tokens, eos_token_ids=eos_token_ids),
+                         logprobs=bool(sampling_params.get("logprobs", False)))

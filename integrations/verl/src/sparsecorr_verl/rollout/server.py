@@ -2,42 +2,53 @@
 
 It holds an inference copy of the policy (the model at ``model_config.local_path``: in
 ``rollout.dtype``, bf16 by default, on CUDA; in the checkpoint's own dtype on the CPU; eval
-mode, no gradients, no training hooks) and serves verl's token-in / token-out contract from
-``sparsecorr.decoding.generate``:
+mode, no gradients, no training hooks) and one continuous-batching
+``sparsecorr.decoding.Scheduler`` over it, made at launch and kept for the server's lifetime.
+The scheduler lives on its own engine thread (`EngineDriver`, ``driver.py``): nothing that
+blocks runs on the actor's event loop (loading, weight copies and moves, every step).
 
 - ``generate(prompt_ids, sampling_params, request_id) -> TokenOutput(token_ids, log_probs,
-  stop_reason)``: concurrent requests are batched by `RequestBatcher`; ``log_probs`` are the
-  sparse sampler's log-probs of the sampled tokens (the tempered, truncated distribution it
-  sampled from), which verl's agent loop stores as ``rollout_log_probs``;
-- ``update_weights(named_tensors)``: copies the actor's full tensors into the copy, in place;
-- ``sleep`` / ``release_kv_cache`` wait for the running batch and take no new one (the engine
-  allocates its KV pool, graphs and plans per call and frees them when the call returns, so
-  nothing of the engine's stays allocated); ``sleep`` also moves the weights of a CUDA copy to
-  the host. ``wake_up`` / ``resume_kv_cache`` undo them;
-- ``abort_all_requests`` resolves the waiting requests as ``stop_reason="aborted"``.
+  stop_reason)``: the request joins the running batch at the next step, with its own sampling
+  parameters; ``log_probs`` are the sparse sampler's log-probs of the sampled tokens (the
+  tempered, truncated distribution it sampled from), which verl's agent loop stores as
+  ``rollout_log_probs``. A bad request raises a ValueError naming the field, to its caller only.
+- ``abort_all_requests`` aborts the queued requests (no tokens) AND the running rows (their
+  partial tokens and log-probs), each returned with ``stop_reason="aborted"``, as verl's vLLM
+  server does; new requests then wait for `resume_generation` (``reject_request=True``: they,
+  and any request already waiting at that gate, return aborted at once).
+- ``wait_for_requests_to_drain`` returns once every submitted request (queued and running) has
+  its result.
+- ``release_kv_cache`` / ``sleep`` stop handing requests to the scheduler, let the running rows
+  finish (they are not aborted: verl aborts first when it wants that), then free the
+  scheduler's pool, graphs and buffers (``Scheduler.release``); ``sleep`` then moves the weights
+  of a CUDA copy to the host. Requests arriving meanwhile wait. ``resume_kv_cache`` / ``wake_up``
+  undo them (the pool is allocated again at the next step).
+- ``update_weights(named_tensors)`` copies full tensors into the copy, in place, on the engine
+  thread between two steps (see `copy_weights`).
 
-Seeds: a request with ``sampling_params["seed"]`` is batched only with requests of the same
-seed, and its batch samples with ``torch.Generator().manual_seed(seed)`` over the rows ordered by
-``request_id``. Without a seed the server's own generator (seeded once with ``rollout.seed +
-replica_rank``) samples, so runs repeat when the batches do; with ``rollout.full_determinism``
-every request without a seed gets ``rollout.seed + replica_rank``, as verl's vLLM server does, so
-every batch samples from a freshly seeded generator.
+Seeds: a request with ``sampling_params["seed"]`` samples from its own generator seeded with it,
+so its tokens do not depend on which requests share its steps (as vLLM's per-request seed).
+Without a seed the scheduler's generator (seeded once with ``rollout.seed + replica_rank``)
+samples; with ``rollout.full_determinism`` every request without a seed gets ``rollout.seed +
+replica_rank``, as verl's vLLM server does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from .batcher import RequestBatcher
+from .driver import EngineDriver
 from .options import EngineOptions, engine_options
-from .requests import Completion, parse_request, run_batch
+from .requests import parse_request
 
-__all__ = ["SparseCorrServer", "load_policy_copy"]
+__all__ = ["SparseCorrServer", "copy_weights", "load_policy_copy"]
 
 logger = logging.getLogger("sparsecorr_verl")
 _MULTI_MODAL = ("image_data", "video_data", "audio_data")
@@ -61,6 +72,41 @@ def load_policy_copy(path: str, *, device: torch.device, dtype: str = "bfloat16"
     model.to(device).eval()
     model.requires_grad_(False)
     return model
+
+
+class _Gate:
+    """verl's admission gate: closed by `abort_all_requests`, opened by `resume_generation`.
+    Waiters park on a future of their own loop; a rejecting gate returns them at once."""
+
+    def __init__(self) -> None:
+        self.open, self.rejecting = True, False
+        self._waiters: list[asyncio.Future] = []
+
+    async def admitted(self) -> bool:
+        """True once the gate is open; False when it rejects (now, or while this call waited)."""
+        while not self.open:
+            if self.rejecting:
+                return False
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+        return True
+
+    def close(self, *, reject: bool) -> None:
+        self.open, self.rejecting = False, reject
+        self._wake()
+
+    def reopen(self) -> None:
+        self.open, self.rejecting = True, False
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            try:
+                w.get_loop().call_soon_threadsafe(lambda w=w: w.done() or w.set_result(None))
+            except RuntimeError:  # its loop is closed
+                pass
 
 
 class SparseCorrServer:
@@ -87,36 +133,57 @@ class SparseCorrServer:
         self.global_steps: int | None = None
         self.model: torch.nn.Module | None = None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self._batcher: RequestBatcher | None = None
-        self._generator: torch.Generator | None = None
+        self._driver: EngineDriver | None = None
+        self._launch_lock = threading.Lock()
+        self._gate = _Gate()
         self._weights_on_host = False
+        self._kv_released = False
 
     # -- start-up ------------------------------------------------------------------------------
     async def launch_server(self, **_unused: Any) -> None:
-        """Load the inference copy and start the batcher (``**_unused``: verl's multi-node args)."""
-        if self.model is not None:
-            return
-        path = _field(self.model_config, "local_path") or _field(self.model_config, "path")
-        self.model = load_policy_copy(str(path), device=self.device, dtype=str(_field(self.config, "dtype", "bfloat16")))
-        hf = self.model.config
-        self.max_model_len = int(_field(self.config, "max_model_len", getattr(hf, "max_position_embeddings", 0)))
-        if self.max_model_len < 2:
-            raise ValueError(f"rollout.max_model_len: expected >= 2 (or a model with max_position_embeddings), "
-                             f"got {self.max_model_len}")
-        gen_cfg = _field(self.model_config, "generation_config")
-        eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
-        self.eos_token_id = eos if eos is not None else getattr(hf, "eos_token_id", None)
-        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        """Load the inference copy and start the engine thread with its scheduler, off the event
+        loop (``**_unused``: verl's multi-node args)."""
+        if self._driver is None:
+            await asyncio.to_thread(self._launch)
+
+    def _launch(self) -> None:
+        with self._launch_lock:
+            if self._driver is not None:
+                return
+            path = _field(self.model_config, "local_path") or _field(self.model_config, "path")
+            model = load_policy_copy(str(path), device=self.device, dtype=str(_field(self.config, "dtype", "bfloat16")))
+            hf = model.config
+            max_model_len = int(_field(self.config, "max_model_len", getattr(hf, "max_position_embeddings", 0)))
+            if max_model_len < 2:
+                raise ValueError(f"rollout.max_model_len: expected >= 2 (or a model with max_position_embeddings), "
+                                 f"got {max_model_len}")
+            gen_cfg = _field(self.model_config, "generation_config")
+            eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+            self.eos_token_id = eos if eos is not None else getattr(hf, "eos_token_id", None)
+            self.eos_token_ids = () if self.eos_token_id is None else tuple(
+                [self.eos_token_id] if isinstance(self.eos_token_id, int) else self.eos_token_id)
+            self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+            self.max_model_len = max_model_len
+            driver = EngineDriver(lambda: self._scheduler(model), name=f"sparsecorr-engine-{self.replica_rank}")
+            driver.start()
+            self.model, self._driver = model, driver
+            plan = driver.plan
+            logger.info("sparsecorr rollout server %d: %s on %s (%s), policy %s, %d rows resident at most "
+                        "(%s; %d bytes a row)", self.replica_rank, type(model).__name__, self.device,
+                        next(model.parameters()).dtype, self.options.policy, plan.rows, plan.source, plan.row_bytes)
+
+    def _scheduler(self, model: torch.nn.Module):
+        """The server's one `Scheduler` (built on the engine thread)."""
+        from sparsecorr.decoding import Scheduler
+
+        o = self.options
         seed = int(_field(self.config, "seed", 0)) + int(self.replica_rank)
-        self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        max_batch = self.options.max_batch_size or int(_field(self.config, "max_num_seqs", 1024))
-        self._batcher = RequestBatcher(self._run, max_batch=max_batch, window_s=self.options.batch_window_ms / 1000)
-        self._generate_kwargs = dict(policy=self.options.build_policy(), budget=self.options.build_budget(),
-                                     backend=self.options.backend, prefill_chunk=self.options.prefill_chunk,
-                                     cuda_graph=self.options.cuda_graph_for(self.device.type),
-                                     fused=self.options.fused_step)
-        logger.info("sparsecorr rollout server %d: %s on %s (%s), policy %s", self.replica_rank,
-                    type(self.model).__name__, self.device, next(self.model.parameters()).dtype, self.options.policy)
+        kwargs = {} if o.prefill_chunk is None else {"prefill_chunk": o.prefill_chunk}
+        return Scheduler(model, policy=o.build_policy(), budget=o.build_budget(), max_model_len=self.max_model_len,
+                         backend=o.backend, cuda_graph=o.cuda_graph_for(self.device.type), fused=o.fused_step,
+                         max_num_seqs=o.max_batch_size or int(_field(self.config, "max_num_seqs", 1024)),
+                         max_kv_bytes=o.max_kv_bytes, eos_token_id=self.eos_token_id,
+                         generator=torch.Generator(device=self.device).manual_seed(seed), **kwargs)
 
     def get_server_address(self) -> tuple[str, int]:
         """No HTTP server: verl's load balancer only needs a unique id per replica."""
@@ -125,22 +192,20 @@ class SparseCorrServer:
     def get_master_address(self) -> tuple[None, None]:
         return None, None
 
-    def _run(self, requests) -> list[Completion]:
-        key = requests[0].key
-        generator = self._generator if key.seed is None else \
-            torch.Generator(device=self.device).manual_seed(key.seed)
-        return run_batch(self.model, requests, generate_kwargs=self._generate_kwargs,
-                         eos_token_id=self.eos_token_id, generator=generator)
-
     # -- generation ----------------------------------------------------------------------------
     async def generate(self, prompt_ids, sampling_params: dict[str, Any], request_id: str, *,
                        image_data: Any = None, video_data: Any = None, audio_data: Any = None,
                        mm_processor_kwargs: Any = None, priority: int = 0, **extra: Any):
         """verl's ``generate``: one request's tokens, log-probs and stop reason (``TokenOutput``).
 
+        ``stop_reason`` is ``completed`` (``extra_fields["finish_reason"]``: ``eos`` or
+        ``length``) or ``aborted`` (the tokens decoded before the abort, possibly none).
+
         Raises:
-            ValueError: a multi-modal input, an over-long ``prompt_ids``, an unsupported sampling
-                parameter (each naming the field).
+            ValueError: a multi-modal input, an over-long ``prompt_ids``, an unsupported or bad
+                sampling parameter, a request id already in flight (each naming the field).
+            RuntimeError: the engine step that decoded this request failed (only its rows fail;
+                the server goes on serving).
         """
         from verl.workers.rollout.replica import TokenOutput
 
@@ -155,51 +220,73 @@ class SparseCorrServer:
         if unknown:
             raise ValueError(f"{unknown[0]}: not an argument of the sparsecorr server's generate, got a value")
         prompt_len, response_len = int(_field(self.config, "prompt_length", 0)), int(_field(self.config, "response_length", 1))
-        n = len(prompt_ids)
         params = dict(sampling_params or {})
         if bool(_field(self.config, "full_determinism", False)) and params.get("seed") is None:
             params["seed"] = int(_field(self.config, "seed", 0)) + int(self.replica_rank)  # as verl's vLLM server
-        request = parse_request(request_id, prompt_ids, params,
-                                max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                                default_max_tokens=max(1, min(response_len, prompt_len + response_len - n)))
-        done = await self._batcher.submit(request)
+        request = parse_request(request_id, prompt_ids, params, max_model_len=self.max_model_len,
+                                vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+                                default_max_tokens=max(1, min(response_len, prompt_len + response_len - len(prompt_ids))))
         extra_fields = {"global_steps": self.global_steps}
-        if done is None:
+        if not await self._gate.admitted():
             return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted", extra_fields=extra_fields)
-        return TokenOutput(token_ids=done.token_ids, log_probs=done.log_probs if request.logprobs else None,
-                           stop_reason="completed", extra_fields={**extra_fields, "finish_reason": done.finish_reason})
+        out = await self._driver.submit(request)
+        if out.finish_reason == "error":
+            raise RuntimeError(f"request {request.request_id!r}: the sparse engine's step failed: "
+                               f"{out.error!r}") from out.error
+        tokens = list(out.token_ids)
+        log_probs = out.logprobs.tolist() if request.logprobs and tokens else None
+        if out.finish_reason == "aborted":
+            return TokenOutput(token_ids=tokens, log_probs=log_probs, stop_reason="aborted", extra_fields=extra_fields)
+        return TokenOutput(token_ids=tokens, log_probs=log_probs, stop_reason="completed",
+                           extra_fields={**extra_fields, "finish_reason": out.finish_reason})
 
     async def abort_all_requests(self, reject_request: bool = False, **_unused: Any) -> dict[str, Any]:
-        """Resolve every waiting request as aborted; the running batch finishes first. Requests
-        arriving afterwards wait for `resume_generation` (``reject_request``: are aborted)."""
-        await self.launch_server()
-        ids = await self._batcher.abort(reject=reject_request)
+        """Abort every queued request and every running row (each caller gets its partial tokens
+        with ``stop_reason="aborted"``). New requests then wait for `resume_generation`
+        (``reject_request``: they, and those already waiting, return aborted at once)."""
+        self._gate.close(reject=reject_request)
+        if self._driver is None:
+            return {"aborted_count": 0, "request_ids": []}
+        ids = await self._driver.abort_all()
         return {"aborted_count": len(ids), "request_ids": ids}
 
+    async def abort_request(self, request_id: str, **_unused: Any) -> dict[str, Any]:
+        """Abort one request (queued or running): its caller gets its partial tokens, aborted."""
+        found = self._driver is not None and await self._driver.abort(str(request_id))
+        return {"aborted": found, "request_id": request_id}
+
     async def resume_generation(self) -> None:
-        await self.launch_server()
-        self._batcher.resume()
+        """Admit requests again after `abort_all_requests`."""
+        self._gate.reopen()
 
     async def wait_for_requests_to_drain(self) -> None:
-        await self.launch_server()
-        async with self._batcher.engine_lock:
-            pass
+        """Return once every submitted request (queued and running) has its result."""
+        if self._driver is not None:
+            await self._driver.drain()
 
     # -- memory --------------------------------------------------------------------------------
     async def release_kv_cache(self) -> None:
-        """Take no new batch and wait for the running one: the engine then holds no KV pool,
-        graph or plan (it frees them at the end of every call)."""
+        """Hand the scheduler no new request, let its running rows finish, then free its KV
+        pool, graphs and buffers. Requests arriving meanwhile wait for `resume_kv_cache`."""
         await self.launch_server()
-        await self._batcher.pause_engine()
+        await self._driver.pause()
+        await self._driver.call(self._release_engine)
+        self._kv_released = True
+
+    def _release_engine(self, scheduler) -> None:  # on the engine thread
+        scheduler.release()
         _empty_device_cache(self.device)
 
     async def resume_kv_cache(self) -> None:
+        """Allow admission again (the pool is allocated at the next step); with the weights on
+        the host, admission waits for `resume_weights`."""
         await self.launch_server()
+        self._kv_released = False
         if not self._weights_on_host:
-            self._batcher.resume_engine()
+            await self._driver.resume()
 
     async def clear_kv_cache(self) -> None:
-        """Nothing to clear: the engine keeps no prefix cache between calls."""
+        """Nothing to clear: the engine keeps no prefix cache between requests."""
 
     async def sleep(self) -> None:
         """`release_kv_cache`, and the weights of a CUDA copy to the host (with
@@ -210,19 +297,27 @@ class SparseCorrServer:
         await self.release_weights()
 
     async def release_weights(self) -> None:
+        """Pause the engine first (no step can start on host weights), free its pool, then move
+        the weights of a CUDA copy to the host."""
         await self.launch_server()
-        async with self._batcher.engine_lock:
-            if self.device.type == "cuda":
-                self.model.to("cpu")
-                _empty_device_cache(self.device)
-            self._weights_on_host = True
-        await self._batcher.pause_engine()
+        await self._driver.pause()
+        self._weights_on_host = True
+        await self._driver.call(self._weights_to_host)
+
+    def _weights_to_host(self, scheduler) -> None:  # on the engine thread
+        scheduler.release()
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+        _empty_device_cache(self.device)
 
     async def resume_weights(self) -> None:
+        """The weights back on the device; admission resumes unless the KV cache is released."""
         await self.launch_server()
         if self._weights_on_host:
-            self.model.to(self.device)
+            await self._driver.call(lambda _s: self.model.to(self.device))
             self._weights_on_host = False
+            if not self._kv_released:
+                await self._driver.resume()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Undo `sleep` (``tags``: ``weights`` and/or ``kv_cache``; default both)."""
@@ -235,14 +330,15 @@ class SparseCorrServer:
     # -- weights -------------------------------------------------------------------------------
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy ``(name, tensor)`` pairs (full tensors, Hugging Face names) into the inference copy
-        in place, after the running batch; returns how many were copied.
+        in place, on the engine thread between two steps; returns how many were copied. verl
+        aborts or releases before a weight sync; rows still running then continue on the new
+        weights.
 
         Raises:
             ValueError: a name the model does not have, or a shape that differs.
         """
         await self.launch_server()
-        async with self._batcher.engine_lock:
-            return copy_weights(self.model, named_tensors)
+        return await self._driver.call(lambda _s: copy_weights(self.model, named_tensors))
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
@@ -255,10 +351,11 @@ class SparseCorrServer:
 
     async def state(self) -> dict[str, Any]:
         """What the server holds now (for tests and logs)."""
-        return {"launched": self.model is not None, "weights_on_host": self._weights_on_host,
-                "waiting": 0 if self._batcher is None else self._batcher.waiting,
-                "batches_run": 0 if self._batcher is None else self._batcher.batches_run,
-                "global_steps": self.global_steps}
+        base = {"launched": self._driver is not None, "weights_on_host": self._weights_on_host,
+                "kv_released": self._kv_released, "gate_open": self._gate.open, "global_steps": self.global_steps}
+        if self._driver is None:
+            return base
+        return {**base, **await self._driver.stats()}
 
 
 def copy_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
