@@ -33,7 +33,8 @@ def ray_cluster():
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="sparsecorr-test",
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "VERL_USE_EXTERNAL_PLUGINS": "sparsecorr"}})
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+                                      "VERL_USE_EXTERNAL_PLUGINS": "sparsecorr"}})
     try:
         yield ray
     finally:
@@ -61,7 +62,7 @@ def replica(ray_cluster, ckpt):
     group = types.SimpleNamespace(workers=[TrainerWorker.remote()])
 
     cls = get_rollout_replica_class("sparsecorr")
-    rep = cls(replica_rank=0, config=rollout_config(engine={**_engine(), "batch_window_ms": 3000}),
+    rep = cls(replica_rank=0, config=rollout_config(engine=_engine()),
               model_config=model_config(ckpt), gpus_per_node=1)
     asyncio.run(rep.init_hybrid(group))
     return rep
@@ -104,10 +105,11 @@ def test_replica_refuses_tensor_parallel_and_pd(verl, ckpt):
         SparseCorrReplica(0, rollout_config(tensor_model_parallel_size=2), model_config(ckpt))
 
 
-def test_eight_requests_through_verls_client_equal_one_direct_generate(replica, ckpt):
+def test_eight_requests_through_verls_client_equal_direct_generate(replica, ckpt):
     """verl's ``LLMServerClient`` over its global load balancer (the agent loop's path), with
-    ``full_determinism`` so request ids reach the server: 8 concurrent seeded requests are one
-    engine call equal to one direct ``generate``."""
+    ``full_determinism`` so request ids reach the server: 8 concurrent greedy requests share the
+    server's running batch and each equals the direct ``generate`` of its prompt; seeded copies of
+    one prompt with one seed are equal (the seed is the request's own, as in vLLM)."""
     from omegaconf import OmegaConf
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle
@@ -115,21 +117,25 @@ def test_eight_requests_through_verls_client_equal_one_direct_generate(replica, 
     lb = get_router_handle(servers={replica.server_address: replica.server_handle}, full_determinism=True)
     cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "sparsecorr", "full_determinism": True}}})
     client = LLMServerClient(cfg, lb)
-    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True,
-              "seed": 11, "max_tokens": 6}
+    params = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True,
+              "max_tokens": 6}
+    seeded = {**params, "temperature": 1.0, "seed": 11}
 
     async def run():
-        return await asyncio.gather(*[client.generate(f"req-{i}", prompt_ids=list(PROMPTS[i // 4]),
-                                                      sampling_params=dict(params)) for i in range(8)])
+        greedy = await asyncio.gather(*[client.generate(f"req-{i}", prompt_ids=list(PROMPTS[i // 4]),
+                                                        sampling_params=dict(params)) for i in range(8)])
+        sampled = await asyncio.gather(*[client.generate(f"seeded-{i}", prompt_ids=list(PROMPTS[0]),
+                                                         sampling_params=dict(seeded)) for i in range(3)])
+        return greedy, sampled
 
-    before = replica_state(replica)["batches_run"]
-    outs = asyncio.run(run())
-    assert replica_state(replica)["batches_run"] == before + 1
-    ref = _reference(ckpt, prompts=[PROMPTS[i // 4] for i in range(8)], max_new_tokens=6, temperature=1.0, seed=11)
-    for out, (tokens, logp) in zip(outs, ref):
+    outs, sampled = asyncio.run(run())
+    assert replica_state(replica)["max_resident"] >= 2
+    ref = _reference(ckpt, prompts=list(PROMPTS), max_new_tokens=6)
+    for i, out in enumerate(outs):
+        tokens, logp = ref[i // 4]
         assert out.stop_reason == "completed" and out.token_ids == tokens
-        assert out.log_probs == pytest.approx(logp, abs=0)
-    assert len({tuple(o.token_ids) for o in outs[:4]}) > 1
+        torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(logp), rtol=0, atol=1e-5)
+    assert len({tuple(o.token_ids) for o in sampled}) == 1
 
 
 def replica_state(replica):
@@ -195,7 +201,72 @@ def test_single_turn_agent_loop_rollout_against_the_server(replica, ckpt, agent_
     for out, (tokens, logp) in zip(outs, ref):
         assert out.response_ids == tokens and out.response_mask == [1] * len(tokens)
         rollout_log_probs = out.as_dict()["rollout_log_probs"]  # the batch key the correction reads
-        torch.testing.assert_close(rollout_log_probs, torch.tensor(logp), rtol=0, atol=0)
+        torch.testing.assert_close(rollout_log_probs, torch.tensor(logp), rtol=0, atol=1e-5)
+
+
+def test_multi_turn_tool_loop_against_the_server(replica, ckpt, agent_loop_module):
+    """verl's ``ToolAgentLoop`` (a multi-turn tool rollout) served by the replica: two assistant
+    turns around one tool call. The loop sends its tool parser's ``stop_token_ids`` (honoured
+    besides EOS) and the same request id on every turn; the second turn's prompt carries the
+    first turn and the tool's answer; the tool's tokens are masked out of the response and every
+    model token has its log-prob."""
+    import importlib
+
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+    from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
+    from verl.tools.base_tool import BaseTool
+    from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    stop = 7
+
+    @ToolParser.register("sparsecorr-test-forced")
+    class ForcedCall(ToolParser):  # a random tiny model emits no tool syntax: every turn calls the tool
+        @property
+        def stop_token_ids(self):
+            return [stop]
+
+        async def extract_tool_calls(self, responses_ids, tools=None):
+            return "", [FunctionCall(name="echo", arguments='{"n": 3}')]
+
+    class Echo(BaseTool):
+        async def execute(self, instance_id, parameters, **kwargs):
+            return ToolResponse(text="w40 w41 w42"), 0.0, {}
+
+    schema = OpenAIFunctionToolSchema.model_validate(
+        {"type": "function", "function": {"name": "echo", "description": "echo",
+                                          "parameters": {"type": "object", "properties": {}}}})
+    tool_loop = importlib.import_module("verl.experimental.agent_loop.tool_agent_loop")
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {
+        "name": "sparsecorr", "prompt_length": 16, "response_length": 24, "full_determinism": False,
+        "multi_turn": {"max_user_turns": 2, "max_assistant_turns": 2, "max_parallel_calls": 1,
+                       "max_tool_response_length": 16, "tool_response_truncate_side": "left",
+                       "format": "sparsecorr-test-forced"}}}})
+    lb = get_router_handle(servers={replica.server_address: replica.server_handle})
+    params = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+
+    async def run():
+        loop = tool_loop.ToolAgentLoop(
+            trainer_config=DictConfigWrap(cfg), server_manager=LLMServerClient(cfg, lb),
+            tokenizer=_word_tokenizer(), processor=None, dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([Echo({}, schema)]))
+        return await asyncio.gather(*[loop.run(dict(params), raw_prompt=[
+            {"role": "user", "content": " ".join(f"w{t}" for t in p)}]) for p in PROMPTS])
+
+    outs = asyncio.run(run())
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        assert out.prompt_ids == list(prompt) and out.num_turns == 4
+        mask = out.response_mask
+        first = mask.index(0)
+        tool = first + mask[first:].index(1) if 1 in mask[first:] else len(mask)
+        assert out.response_ids[first:tool] == [40, 41, 42]  # the tool's answer, masked out
+        turn1 = out.response_ids[:first]
+        assert turn1 and stop not in turn1[:-1] and 2 not in turn1[:-1]  # stop tokens end a turn
+        assert turn1 == _reference(ckpt, prompts=[list(prompt)], max_new_tokens=len(turn1))[0][0]
+        assert tool < len(mask) and len(out.response_logprobs) == len(out.response_ids)
 
 
 def test_hybrid_adapter_syncs_weights_and_memory(replica, ckpt, monkeypatch):
@@ -226,6 +297,6 @@ def test_hybrid_adapter_syncs_weights_and_memory(replica, ckpt, monkeypatch):
 
     out = asyncio.run(run())
     tokens, logp = direct(model, [PROMPTS[1]], max_new_tokens=6)[0]
-    assert out.token_ids == tokens and out.log_probs == pytest.approx(logp, abs=0)
+    assert out.token_ids == tokens and out.log_probs == pytest.approx(logp, abs=1e-5)
     assert out.extra_fields["global_steps"] == 3
     assert os.environ["RANK"] == "0"
