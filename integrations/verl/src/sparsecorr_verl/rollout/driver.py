@@ -175,13 +175,16 @@ class EngineDriver:
             return
         self._started.set_result(None)
         while not self._closed:
-            self._run_commands(block=not self._has_work())
-            if self._closed:
-                break
-            self._feed()
-            if self._sched.has_unfinished():
-                self._step()
-            self._notify()
+            try:
+                self._run_commands(block=not self._has_work())
+                if self._closed:
+                    break
+                self._feed()
+                if self._sched.has_unfinished():
+                    self._step()
+                self._notify()
+            except Exception:  # a bug here must not leave every caller waiting on a dead thread
+                logger.exception("sparsecorr engine thread: unexpected error; serving on")
         while True:  # commands posted after close: their callers get an error, not a hang
             try:
                 _fn, done = self._commands.get_nowait()
@@ -225,7 +228,7 @@ class EngineDriver:
                 continue
             try:
                 s.add_request(rid, item.request.prompt, item.request.params)
-            except ValueError as exc:
+            except Exception as exc:  # refused (a ValueError naming the field): this caller only
                 _settle(item.future, error=exc)
                 continue
             self._live[rid] = item.future
