@@ -6,7 +6,10 @@ it forwards verl's memory calls to the replica's server actor (``resume(tags)`` 
 ``release`` -> ``sleep``) and streams the actor's weights to it. verl's ``naive`` sync hands
 over full tensors with Hugging Face names (FSDP gathers each one); the adapter moves them to
 the host in buckets of ``rollout.checkpoint_engine.update_weights_bucket_megabytes`` and the
-server copies them into its inference copy in place (a DTensor is gathered here first).
+server copies them into its inference copy in place, on its engine thread between two steps (a
+DTensor is gathered here first). verl's ``BucketedWeightSender`` / ``BucketedWeightReceiver``
+(CUDA IPC, GPU to GPU) is not used: verl 0.9.1 ships it inside its vLLM package, which does not
+import without vLLM (docs: "verl", Weight updates).
 """
 
 from __future__ import annotations
