@@ -222,6 +222,22 @@ class Engine:
         self.cache.state.select_rows(on_dev)
         self.count, self.ctx, self.rows = self.count[index], self.ctx[index], self.rows[index]
 
+    def reset_rows(self, rows: torch.Tensor, *, source: int) -> None:
+        """Make rows ``rows`` (CPU long) copies of row ``source`` (a never-fed row): the pool's
+        K, V and positions of those rows only (an indexed copy), the policy's state through its
+        `PolicyState.select_rows` with the index ``[0, 1, source, 3, ...]`` (every row of its
+        buffers gathered: an observation ring, key norms, page sums, a small part of the pool's
+        bytes), and the host bookkeeping. The scheduler's admission: no policy needs a reset
+        hook, and the pool is not copied whole. Needs the stacked pool (``grad=False``)."""
+        index = torch.arange(self.count.numel())
+        index[rows] = source
+        self.cache.state.select_rows(index.to(self.device))
+        dst = rows.to(self.device)
+        for buf in (self.pool.k_all, self.pool.v_all, self.pool.pos_all):
+            if buf is not None:
+                buf[:, dst] = buf[:, source].unsqueeze(1)
+        self.count, self.ctx, self.rows = self.count[index], self.ctx[index], self.rows[index]
+
     def close(self) -> None:
         """Drop the graphs, the pool and the cache (with the backend's plans and buffers), so
         nothing this call allocated outlives it, even while a traceback still holds the engine."""

@@ -6,8 +6,9 @@ The scheduler drives one [`Engine`][sparsecorr.decoding.engine.Engine] at a FIXE
 dummy rows), so every forward has one batch size. Each `step`:
 
 1. **admit** waiting requests (first come, first served) into free slots: each admitted slot's
-   pool row and policy state are reset by taking the pristine row into it (`Engine.take_rows`
-   with an index such as ``[0, 1, P, 3, P]``: no policy needs a reset hook);
+   pool row and policy state are reset from the pristine row (`Engine.reset_rows`: the pool's
+   rows by an indexed copy, the policy's state by its own row selection with an index such as
+   ``[0, 1, P, 3, P]``, so no policy needs a reset hook);
 2. **one forward**: while some row still reads its prompt, a prefill chunk (up to
    ``prefill_chunk`` tokens of each such row, ``real = 0`` for the others: decoding rows wait
    one forward, so a forward is never mixed and each row's tokens see the forward kinds they see
@@ -24,8 +25,8 @@ depend on who shares its steps or when it arrived (log-probs: up to float roundi
 batch shapes). The memory plan (`sparsecorr.decoding.memory`) sizes ``plan.rows``.
 
 Cost: every forward runs over all ``plan.rows + 1`` rows (free rows as padding), so a prefill
-chunk for one new row costs ``(rows + 1) · chunk`` tokens of MLP; admission copies the pool once
-(`take_rows`, one layer at a time).
+chunk for one new row costs ``(rows + 1) · chunk`` tokens of MLP; an admission copies the
+admitted pool rows and every row of the policy's state (rings, norms, page sums).
 """
 
 from __future__ import annotations
@@ -299,12 +300,11 @@ class Scheduler:
         free = [i for i, r in enumerate(self._slots) if r is None]
         if not free or not self._waiting:
             return
-        index = torch.arange(self.plan.rows + 1)
-        for i in free[:len(self._waiting)]:
+        slots = free[:len(self._waiting)]
+        for i in slots:
             req = self._waiting.popleft()
             req.slot, self._slots[i] = i, req
-            index[i] = self.plan.rows  # the pristine row
-        self.engine.take_rows(index)
+        self.engine.reset_rows(torch.tensor(slots), source=self.plan.rows)  # the pristine row
         self.max_resident = max(self.max_resident, self.num_running)
 
     def _prefill(self, rows: list[_Request]):

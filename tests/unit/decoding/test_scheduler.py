@@ -257,3 +257,24 @@ def test_the_graph_step_at_one_batch_size_equals_eager(policy, cpu_graphs):
     for i in eager:
         assert eager[i].token_ids == graph[i].token_ids
         torch.testing.assert_close(eager[i].logprobs, graph[i].logprobs, atol=1e-5, rtol=0)
+
+
+def test_reset_rows_copies_the_pristine_row_and_leaves_the_others():
+    sched = _sched(RKV(window=3, buffer=2), max_num_seqs=3)
+    prompts = _prompts(3, seed=8)
+    for i, p in enumerate(prompts):
+        sched.add_request(str(i), p, RequestParams(max_tokens=6, temperature=0, ignore_eos=True))
+    for _ in range(5):
+        sched.step()
+    eng = sched.engine
+    bufs = lambda: [eng.pool.k_all, eng.pool.v_all, eng.pool.pos_all, *eng.cache.state.buffers()]  # noqa: E731
+    before = [b.clone() for b in bufs()]
+    count = eng.count.clone()
+    assert bool((count[:3] > 0).all()) and int(count[3]) == 0
+    eng.reset_rows(torch.tensor([0, 2]), source=3)
+    for old, new in zip(before, bufs()):
+        assert torch.equal(new[:, 1], old[:, 1]) and torch.equal(new[:, 3], old[:, 3])
+        assert torch.equal(new[:, 0], old[:, 3]) and torch.equal(new[:, 2], old[:, 3])
+    assert eng.count.tolist() == [0, int(count[1]), 0, 0] and eng.ctx.tolist()[::2] == [0, 0]
+    sched.abort_all()
+    sched.close()
