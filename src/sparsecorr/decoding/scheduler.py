@@ -341,10 +341,15 @@ class Scheduler:
         return rows, out.logits[at.to(self.device), -1]
 
     def _record(self, rows: list[_Request], tok, lp, top) -> list[RequestOutput]:
-        """Append each row's sampled token (one host copy of the step's samples); retire the
-        rows that stop."""
-        tok, lp = tok.cpu().tolist(), lp.cpu().tolist()
-        tv, ti = (None, None) if top is None else (top.values.cpu(), top.indices.cpu())
+        """Append each row's sampled token (one host copy of the step's samples, packed in one
+        float64 tensor); retire the rows that stop."""
+        parts = [tok.double()[:, None], lp.double()[:, None]]
+        if top is not None:  # float64 holds every token id and float32 log-prob exactly
+            parts += [top.values.double(), top.indices.double()]
+        host = torch.cat(parts, 1).cpu()
+        tok, lp = host[:, 0].long().tolist(), host[:, 1].float().tolist()
+        k = (host.shape[1] - 2) // 2
+        tv, ti = (None, None) if top is None else (host[:, 2:2 + k].float(), host[:, 2 + k:].long())
         outs = []
         for j, r in enumerate(rows):
             r.tokens.append(tok[j])
