@@ -37,7 +37,8 @@ import torch
 
 from .fallback import fused_or_stock
 
-__all__ = ["votes_reference", "window_votes"]
+__all__ = ["near_duplicates", "near_duplicates_reference", "near_duplicates_triton", "votes_reference",
+           "window_votes"]
 
 _MIN = torch.finfo(torch.float32).min  # the invalid keys' bias (not -inf: a row without a valid key gives no NaN)
 
@@ -158,3 +159,126 @@ def window_votes(logits: torch.Tensor, valid: torch.Tensor, query_valid: torch.T
     else:
         weights = (query_valid / group).repeat(1, group)  # [B, G·W]
     return _votes_op(logits.detach(), valid, weights, scale)
+
+
+# -- R-KV's near-duplicate rule: the last near-duplicate of every key ----------------------------
+
+_ND_BLOCK = 1 << 26  # float32 elements of one block of the stock chain's S×S cosines (256 MB)
+
+
+def near_duplicates_reference(unit: torch.Tensor, first: torch.Tensor, threshold: float
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""For every key \(i\): the last \(j \ne i\) with \(\hat k_i\cdot\hat k_j >\) ``threshold``, or
+    ``first`` (the row's first valid slot) where there is none, and that cosine (0 where
+    \(j = i\)), with stock ops: the cosines in blocks of rows (at most ``_ND_BLOCK`` float32
+    elements), one GEMM each (float32 accumulation), the diagonal zeroed in place, a comparison,
+    the last index (int32) and a gather.
+
+    Shapes:
+        unit ``[B, H, S, D]`` (unit keys, 0 at invalid slots); first ``[B, H]`` long -> last
+        ``[B, H, S]`` long and value ``[B, H, S]`` float32.
+    """
+    from ..policies.base import matmul_f32  # (the policies import this module)
+
+    b, h, s, _ = unit.shape
+    last = torch.empty(b, h, s, dtype=torch.long, device=unit.device)
+    val = torch.empty(b, h, s, dtype=torch.float32, device=unit.device)
+    cols = torch.arange(s, device=unit.device, dtype=torch.int32)
+    first = first.to(torch.int32)[..., None, None]
+    step = max(1, min(s, _ND_BLOCK // max(b * h * s, 1)))
+    for lo in range(0, s, step):
+        hi = min(s, lo + step)
+        cos = matmul_f32(unit[:, :, lo:hi], unit.transpose(-1, -2))  # [B, H, m, S]
+        cos.diagonal(offset=lo, dim1=-2, dim2=-1).zero_()  # C_ii = 0 (R-KV's fill_diagonal_)
+        at = torch.where(cos > threshold, cols, first).amax(-1, keepdim=True).long()  # [B, H, m, 1]
+        last[:, :, lo:hi] = at[..., 0]
+        val[:, :, lo:hi] = cos.gather(-1, at)[..., 0]
+    return last, val
+
+
+@torch.library.custom_op("sparsecorr::near_duplicates", mutates_args=())
+def _near_op(unit: torch.Tensor, first: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return near_duplicates_reference(unit, first, threshold)
+
+
+@_near_op.register_fake
+def _(unit, first, threshold):
+    b, h, s, _ = unit.shape
+    return unit.new_empty(b, h, s, dtype=torch.long), unit.new_empty(b, h, s, dtype=torch.float32)
+
+
+@functools.cache
+def _near_kernel():
+    """The Triton kernel: one program per (sequence·head, block of 64 keys); the cosine tiles
+    are ``tl.dot`` products of the unit keys (float32 accumulation) kept in registers, so no S×S
+    tensor is written: each program keeps its rows' last near-duplicate and its cosine."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(u_ptr, f_ptr, last_ptr, val_ptr, S, D, thr, sun, sus, sud,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+        nh = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < S
+        dd = tl.arange(0, BLOCK_D)
+        dmask = dd < D
+        base = u_ptr + nh * sun
+        q = tl.load(base + rows[:, None] * sus + dd[None, :] * sud, mask=rmask[:, None] & dmask[None, :], other=0.0)
+        last = tl.full([BLOCK_M], -1, tl.int32)
+        lval = tl.zeros([BLOCK_M], tl.float32)
+        for j0 in range(0, S, BLOCK_N):
+            cols = j0 + tl.arange(0, BLOCK_N)
+            cmask = cols < S
+            kt = tl.load(base + cols[None, :] * sus + dd[:, None] * sud, mask=dmask[:, None] & cmask[None, :],
+                         other=0.0)  # [BLOCK_D, BLOCK_N]
+            if IEEE:
+                c = tl.dot(q, kt, input_precision="ieee")
+            else:
+                c = tl.dot(q, kt)
+            near = (c > thr) & cmask[None, :] & (cols[None, :] != rows[:, None])
+            top = tl.max(tl.where(near, cols[None, :], -1), 1)
+            tval = tl.sum(tl.where(cols[None, :] == top[:, None], c, 0.0), 1)
+            upd = top > last
+            last = tl.where(upd, top, last)
+            lval = tl.where(upd, tval, lval)
+        f = tl.load(f_ptr + nh)
+        kf = tl.load(base + f * sus + dd * sud, mask=dmask, other=0.0)
+        vf = tl.sum(q.to(tl.float32) * kf.to(tl.float32)[None, :], 1)
+        vf = tl.where(rows == f, 0.0, vf)
+        none = last < 0
+        out = nh * S + rows
+        tl.store(last_ptr + out, tl.where(none, f, last).to(tl.int64), mask=rmask)
+        tl.store(val_ptr + out, tl.where(none, vf, lval), mask=rmask)
+
+    return kernel
+
+
+def near_duplicates_triton(unit: torch.Tensor, first: torch.Tensor, threshold: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel's launch. Shapes: as `near_duplicates_reference`."""
+    b, h, s, d = unit.shape
+    u = unit.reshape(b * h, s, d)
+    last = torch.empty(b * h, s, dtype=torch.long, device=unit.device)
+    val = torch.empty(b * h, s, dtype=torch.float32, device=unit.device)
+    f = first.reshape(b * h).to(torch.int32)
+    block_d = max(16, 1 << (d - 1).bit_length())
+    _near_kernel()[(b * h, -(-s // 64))](u, f, last, val, s, d, float(threshold), *u.stride(), BLOCK_M=64,
+                                          BLOCK_N=64, BLOCK_D=block_d, IEEE=unit.dtype == torch.float32)
+    return last.reshape(b, h, s), val.reshape(b, h, s)
+
+
+_near_failed: list[str] = []
+
+
+@_near_op.register_kernel("cuda")
+def _near_cuda(unit, first, threshold):  # pragma: no cover - runs on CUDA
+    return fused_or_stock("sparsecorr::near_duplicates", _near_failed, near_duplicates_triton,
+                          near_duplicates_reference, unit, first, threshold)
+
+
+def near_duplicates(unit: torch.Tensor, first: torch.Tensor, *, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """R-KV's last near-duplicate of every key and its cosine: the op ``sparsecorr::near_duplicates``
+    (the stock chain `near_duplicates_reference` everywhere, one fused Triton kernel on CUDA, which
+    writes no S×S tensor). No gradient. Shapes: as `near_duplicates_reference`."""
+    return _near_op(unit.detach(), first, float(threshold))

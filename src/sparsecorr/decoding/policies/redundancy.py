@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.votes import near_duplicates
 from .base import matmul_f32, merge_rows, split_rows
 
 __all__ = ["key_redundancy", "mix_minmax", "near_duplicate_drop", "rkv_redundancy", "unit_weights",
@@ -135,40 +136,29 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (red / others.clamp(min=1)).masked_fill_(others < 1, 0.0)  # one valid key: 0, not rounding
 
 
-#: float32 elements of one block of the S×S cosines (`near_duplicate_drop`): 256 MB
-_BLOCK = 1 << 26
-
-
 def near_duplicate_drop(keys: torch.Tensor, valid: torch.Tensor, w: torch.Tensor, *,
                         threshold: float) -> torch.Tensor:
     r"""What R-KV's most-recent-near-duplicate rule takes out of each key's column sum:
-    \(\mathrm{drop}_j = \sum_{i\,:\,r_i = j} C_{ij}\), with \(C_{ij} = w_i w_j\,(k_i \cdot k_j)\) the
-    cosine of two valid keys (\(w\): `unit_weights`), \(r_i\) the last valid \(j \ne i\) with
-    \(C_{ij} >\) ``threshold``, or the row's first valid slot where there is none (R-KV's
-    ``max`` over an index row of zeros; the diagonal entry stays 0 then).
+    \(\mathrm{drop}_j = \sum_{i\,:\,r_i = j} C_{ij}\), with \(C_{ij} = \hat k_i \cdot \hat k_j\) the
+    cosine of two valid keys (unit keys \(\hat k = w\,k\), `unit_weights`; 0 at invalid slots),
+    \(r_i\) the last \(j \ne i\) with \(C_{ij} >\) ``threshold`` (\(\ge 0\)), or the row's first valid
+    slot where there is none (R-KV's ``max`` over an index row of zeros; \(C_{ii}\) counts 0 then).
 
-    The cosines are formed in blocks of rows (at most ``_BLOCK`` float32 elements at a time), one
-    GEMM of the keys as stored (float32 accumulation) per block: the O(S²·D) work that the
-    thresholded rule needs beyond the closed form. Invalid rows and columns contribute nothing.
+    The unit keys are made once in the keys' dtype (as R-KV's ``k / (|k| + 1e-8)``); each key's
+    last near-duplicate and its cosine are the op ``sparsecorr::near_duplicates``
+    (`sparsecorr.decoding.kernels.votes`: on the CPU the cosines in blocks of rows, one GEMM
+    each; on CUDA one Triton kernel that keeps the cosine tiles in registers and writes no S×S
+    tensor); one scatter-add then sums them per key. This is the O(S²·D) work the thresholded
+    rule needs beyond the closed form; invalid rows and columns contribute nothing.
 
     Shapes:
-        keys ``[B, H, S, D]``; valid ``[B, H, S]``; w ``[B, H, S]`` float32 -> ``[B, H, S]`` float32.
+        keys ``[B, H, S, D]``; valid ``[B, H, S]``; w ``[B, H, S]`` float32 (0 at invalid slots)
+        -> ``[B, H, S]`` float32.
     """
-    b, h, s, _ = keys.shape
-    drop = torch.zeros(b, h, s, dtype=torch.float32, device=keys.device)
-    cols = torch.arange(s, device=keys.device)
-    first = valid.to(torch.uint8).argmax(-1)[..., None, None]  # [B, H, 1, 1]: the row's first valid slot
-    ok = valid[:, :, None, :]
-    step = max(1, min(s, _BLOCK // max(b * h * s, 1)))
-    for lo in range(0, s, step):
-        hi = min(s, lo + step)
-        rows = cols[lo:hi, None]
-        cos = matmul_f32(keys[:, :, lo:hi], keys.transpose(-1, -2)).mul_(w[:, :, lo:hi, None]).mul_(w[:, :, None, :])
-        near = (cos > threshold) & ok & (cols != rows)  # [B, H, m, S]
-        last = torch.where(near, cols, first).amax(-1, keepdim=True)  # [B, H, m, 1]
-        val = cos.gather(-1, last).masked_fill_(last == rows, 0.0)  # C_ii is 0
-        drop.scatter_add_(-1, last[..., 0], val[..., 0])
-    return drop
+    unit = torch.mul(keys, w[..., None]).to(keys.dtype)  # 0 at invalid slots: their cosines are 0
+    first = valid.to(torch.uint8).argmax(-1)  # [B, H]: the row's first valid slot
+    last, val = near_duplicates(unit, first, threshold=threshold)
+    return torch.zeros_like(val).scatter_add_(-1, last, val)
 
 
 def rkv_redundancy(keys: torch.Tensor, valid: torch.Tensor, dots: torch.Tensor, n: torch.Tensor,

@@ -225,3 +225,22 @@ def test_rkv_end_to_end_kept_sets_equal_the_port(monkeypatch):
                 assert (r // rows, i, tuple(want)) in recorded  # what generate recorded
                 compared += 1
     assert compared >= 8
+
+
+@pytest.mark.parametrize("block", [1, 64, 1 << 26])
+def test_near_duplicates_in_row_blocks_equal_the_port_rule(monkeypatch, block):
+    """The op ``sparsecorr::near_duplicates`` (its stock chain: the cosines in row blocks of any
+    size) gives every key's last near-duplicate as R-KV's ``cal_similarity`` picks it (the last
+    column above 0.5 of its row, index 0 where none) and that cosine."""
+    from sparsecorr.decoding.kernels import votes
+
+    monkeypatch.setattr(votes, "_ND_BLOCK", block)
+    keys, _ = _inputs("structured", hkv=2, group=1, seed=11, s=70)
+    unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    last, val = votes.near_duplicates(unit, torch.zeros(1, 2, dtype=torch.long), threshold=0.5)
+    cos = unit[0] @ unit[0].transpose(-1, -2)
+    for h in range(2):
+        cos[h].fill_diagonal_(0.0)
+        want = torch.where(cos[h] > 0.5, torch.arange(70), 0).max(-1).values
+        assert torch.equal(last[0, h], want)
+        torch.testing.assert_close(val[0, h], cos[h].gather(-1, want[:, None])[:, 0], atol=1e-6, rtol=0)
