@@ -4,9 +4,16 @@
 |---|---|---|---|
 | ``Dense()`` | everything | dense | — |
 | ``StreamingLLM(sink=4)`` | first ``sink`` + most recent | eviction | Xiao et al., 2024 |
-| ``SnapKV(window=8, kernel=7)`` | observation-window attention, max-pooled | eviction | Li et al., 2024 |
-| ``RKV(window=8, kernel=7, mix=0.1, buffer=128)`` | 0.1·importance − 0.9·key redundancy | eviction | Sparse-RL / R-KV |
+| ``SnapKV(window=8, kernel=7)`` | observation-window attention (causal in the window), pooled before it | eviction | Li et al., 2024 |
+| ``RKV(window=8, kernel=7, mix=0.1, buffer=128)`` | R-KV's code: 0.1·importance − 0.9·softmax(thresholded key redundancy) | eviction | R-KV, as Sparse-RL uses it |
+| ``RKV(variant="sparse_rl")`` | the same, summed over KV heads: one kept set per layer | eviction | Sparse-RL's SGLang fork |
+| ``RKV(scoring="minmax")`` | the earlier min-max mix of SnapKV's votes and the mean key cosine | eviction | — |
 | ``BlockTopK(page_size=16, ...)`` | top pages by mean-key · mean-query | selection | Sparrow |
+
+An eviction policy keeps ``budget`` slots at a compression, which runs once a row holds more
+than ``budget + buffer``: the step that triggers it attends ``budget + buffer + 1`` tokens. Each
+eviction policy's kept sets are tested against a port of its authors' code
+(``tests/unit/decoding/references``).
 """
 
 from __future__ import annotations
