@@ -24,7 +24,11 @@ pytestmark = pytest.mark.gpu
 POLICIES = [Dense(), StreamingLLM(buffer=16), SnapKV(buffer=16), RKV(buffer=16), BlockTopK(dense_layers=1)]
 
 
-def _model():
+@pytest.fixture(scope="module")
+def model():
+    """One model for the file: the fused step compiles once per model (~45 s on an H100)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -75,8 +79,7 @@ def _compare(a, b):
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
-def test_graph_steps_equal_eager_steps_and_each_request_alone(policy):
-    model = _model()
+def test_graph_steps_equal_eager_steps_and_each_request_alone(model, policy):
     reqs = _requests()
     eager, _ = _run(model, policy, reqs, graphs=False)
     graph, status = _run(model, policy, reqs, graphs=True)
@@ -93,10 +96,9 @@ def test_graph_steps_equal_eager_steps_and_each_request_alone(policy):
     assert mad < 1e-2
 
 
-def test_nothing_alive_after_close():
+def test_nothing_alive_after_close(model):
     """After a first run (which leaves the one-time workspaces: FlashInfer's, the capture stream's),
     every run returns memory_allocated to where it was, also with the collector off."""
-    model = _model()
     _run(model, RKV(buffer=16), _requests(4), graphs=True)
     gc.collect()
     torch.cuda.empty_cache()
