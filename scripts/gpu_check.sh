@@ -32,6 +32,8 @@
 #            head-of-line case (JSON in $OUT/rollout.jsonl; sized to ~3 min)
 #   trl20    benchmarks/bench_trl_step_gpu.py --memory-steps 20: our rows only, memory after each of
 #            20 steps (flat within 64 MiB?) (JSON in $OUT/trl_memory.jsonl)
+#            (ROLLOUT_ARGS / ROLLOUT_TIMEOUT override the sizes and the limit; PYTEST_TIMEOUT the
+#            pytest step's limit)
 #   rkv      benchmarks/bench_decoding_gpu.py at 8 x 32k for Dense and RKV only (no HF row), with
 #            teacher forcing (JSON in $OUT/rkv.jsonl; ~1 min)
 # Budget: about 12-13 minutes on an H100 in all (pytest ~2 min, trl < 4 min, decode ~2 min,
@@ -102,7 +104,7 @@ for s in "${STEPS[@]}"; do
     install) step install 240 bash -c install ;;
     memory) step memory 180 $PY -m pytest -q -s -m gpu tests/gpu/test_memory_gpu.py -p no:cacheprovider -rfEs \
                 -o addopts="" ;;
-    pytest) step pytest 300 $PY -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider -rfEs -o addopts="" \
+    pytest) step pytest "${PYTEST_TIMEOUT:-300}" $PY -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider -rfEs -o addopts="" \
                 --junitxml "$OUT/pytest-gpu.xml" ;;
     trl) if [ "$CPU" = 1 ]; then step trl 240 $PY benchmarks/bench_trl_step_gpu.py --smoke --out "$OUT/trl_step.jsonl"
          else step trl 300 $PY benchmarks/bench_trl_step_gpu.py --out "$OUT/trl_step.jsonl"; fi ;;
@@ -115,9 +117,9 @@ for s in "${STEPS[@]}"; do
             else step snapkv 240 $PY benchmarks/bench_decode_kernels.py --schedule-only --cuda \
                 --json "$OUT/snapkv_schedule.json"; fi ;;
     rollout) if [ "$CPU" = 1 ]; then step rollout 240 $PY benchmarks/bench_rollout_gpu.py --smoke --out "$OUT/rollout.jsonl"
-             else step rollout 330 $PY benchmarks/bench_rollout_gpu.py --n 64 --prompt 512 --mean 2048 --cap 8192 \
-                 --budget 512 --buffer 64 --policies rkv,streaming_llm --hf-n 4 --hf-cap 128 --hol-long 2048 \
-                 --out "$OUT/rollout.jsonl"; fi ;;
+             else step rollout "${ROLLOUT_TIMEOUT:-330}" $PY benchmarks/bench_rollout_gpu.py ${ROLLOUT_ARGS:---n 64 \
+                 --prompt 512 --mean 2048 --cap 8192 --budget 512 --buffer 64 --policies rkv,streaming_llm --hf-n 4 \
+                 --hf-cap 128 --hol-long 2048} --out "$OUT/rollout.jsonl"; fi ;;
     trl20) if [ "$CPU" = 1 ]; then step trl20 240 $PY benchmarks/bench_trl_step_gpu.py --smoke --memory-steps 3 \
                --out "$OUT/trl_memory.jsonl"
            else step trl20 300 $PY benchmarks/bench_trl_step_gpu.py --memory-steps 20 --out "$OUT/trl_memory.jsonl"; fi ;;
