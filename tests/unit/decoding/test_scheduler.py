@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sparsecorr.decoding.scheduler as scheduler_mod
-from sparsecorr.decoding import RKV, Dense, RequestParams, Scheduler, SnapKV, generate
+from sparsecorr.decoding import RKV, BlockTopK, Dense, RequestParams, Scheduler, SnapKV, generate
 from sparsecorr.decoding.loops import Sampling, sample
 from sparsecorr.decoding.memory import plan_memory
 from sparsecorr.decoding.sampling import RowSampling, sample_rows
@@ -277,4 +277,26 @@ def test_reset_rows_copies_the_pristine_row_and_leaves_the_others():
         assert torch.equal(new[:, 0], old[:, 3]) and torch.equal(new[:, 2], old[:, 3])
     assert eng.count.tolist() == [0, int(count[1]), 0, 0] and eng.ctx.tolist()[::2] == [0, 0]
     sched.abort_all()
+    sched.close()
+
+
+@pytest.mark.parametrize("policy", [RKV(window=3, buffer=2), SnapKV(window=3, buffer=2),
+                                    BlockTopK(page_size=4, dense_layers=1)], ids=lambda p: p.name)
+def test_the_pristine_row_stays_blank_outside_its_scratch_areas(policy):
+    """Free rows are fed ``real = 0``: their padding goes to the scratch page (pool, norms, page
+    sums) and the ring's dump column, never to a slot, column or page a request reads."""
+    sched = _sched(policy, max_num_seqs=2)
+    for i, p in enumerate(_prompts(4, seed=9)):
+        sched.add_request(str(i), p, GREEDY)
+    _drain(sched)
+    eng, p = sched.engine, sched.plan.rows
+    cap, state = eng.pool.capacity, eng.cache.state
+    for buf in (eng.pool.k_all, eng.pool.v_all, eng.pool.pos_all):
+        assert buf is None or not bool(buf[:, p, :, :cap].any())
+    if hasattr(state, "win_all"):
+        assert not bool(state.win_all[:, p, :, :state.window].any())
+    if getattr(state, "norms_all", None) is not None:
+        assert not bool(state.norms_all[:, p, :, :cap].any()) and not bool(state.unit_sum_all[:, p].any())
+    if hasattr(state, "summ_all"):
+        assert not bool(state.summ_all[:, p, :, :-1].any())
     sched.close()
