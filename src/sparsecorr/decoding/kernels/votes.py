@@ -163,7 +163,8 @@ def window_votes(logits: torch.Tensor, valid: torch.Tensor, query_valid: torch.T
 
 # -- R-KV's near-duplicate rule: the last near-duplicate of every key ----------------------------
 
-_ND_BLOCK = 1 << 26  # float32 elements of one block of the stock chain's S×S cosines (256 MB)
+_ND_BLOCK = 1 << 24  # float32 elements of one block of the stock chain's S×S cosines (64 MB; with the
+# block's comparison and index temporaries ~150 MB at the event's peak)
 
 
 def near_duplicates_reference(unit: torch.Tensor, first: torch.Tensor, threshold: float

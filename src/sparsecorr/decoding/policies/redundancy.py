@@ -61,6 +61,7 @@ def mix_minmax(imp: torch.Tensor, red: torch.Tensor, valid: torch.Tensor, *, mix
     return score.masked_fill_(~valid, 0.0)
 
 
+_UNIT_BLOCK = 1 << 25  # unit-key elements made at once by `near_duplicate_drop` (64 MB in bf16)
 _EPS = 1e-12  # F.normalize's floor on a key's norm (a zero key has unit key 0)
 
 
@@ -144,7 +145,9 @@ def near_duplicate_drop(keys: torch.Tensor, valid: torch.Tensor, w: torch.Tensor
     \(r_i\) the last \(j \ne i\) with \(C_{ij} >\) ``threshold`` (\(\ge 0\)), or the row's first valid
     slot where there is none (R-KV's ``max`` over an index row of zeros; \(C_{ii}\) counts 0 then).
 
-    The unit keys are made once in the keys' dtype (as R-KV's ``k / (|k| + 1e-8)``); each key's
+    The unit keys are made once in the keys' dtype (as R-KV's ``k / (|k| + 1e-8)``: the weights
+    rounded to that dtype, then one product, so the event holds no float32 copy of the keys; in
+    blocks of sequences of at most ``_UNIT_BLOCK`` elements, so not one of all the keys either); each key's
     last near-duplicate and its cosine are the op ``sparsecorr::near_duplicates``
     (`sparsecorr.decoding.kernels.votes`: on the CPU the cosines in blocks of rows, one GEMM
     each; on CUDA one Triton kernel that keeps the cosine tiles in registers and writes no S×S
@@ -155,10 +158,16 @@ def near_duplicate_drop(keys: torch.Tensor, valid: torch.Tensor, w: torch.Tensor
         keys ``[B, H, S, D]``; valid ``[B, H, S]``; w ``[B, H, S]`` float32 (0 at invalid slots)
         -> ``[B, H, S]`` float32.
     """
-    unit = torch.mul(keys, w[..., None]).to(keys.dtype)  # 0 at invalid slots: their cosines are 0
     first = valid.to(torch.uint8).argmax(-1)  # [B, H]: the row's first valid slot
-    last, val = near_duplicates(unit, first, threshold=threshold)
-    return torch.zeros_like(val).scatter_add_(-1, last, val)
+    drop = torch.empty(valid.shape, dtype=torch.float32, device=keys.device)
+    b, h, s, d = keys.shape
+    step = max(1, _UNIT_BLOCK // max(h * s * d, 1))  # sequences per block (shapes only: no host read)
+    for lo in range(0, b, step):
+        hi = min(b, lo + step)
+        unit = keys[lo:hi] * w[lo:hi, ..., None].to(keys.dtype)  # 0 at invalid slots: their cosines are 0
+        last, val = near_duplicates(unit, first[lo:hi], threshold=threshold)
+        drop[lo:hi] = torch.zeros_like(val).scatter_add_(-1, last, val)
+    return drop
 
 
 def rkv_redundancy(keys: torch.Tensor, valid: torch.Tensor, dots: torch.Tensor, n: torch.Tensor,
