@@ -100,11 +100,8 @@ class SparseKVCache(CacheBase):
         if torch.compiler.is_compiling():  # traced: sparsecorr::attend writes (decoding.fused)
             return key, value
         st, pool = self.step, self.pool
-        if layer_idx == 0:  # once per forward: host ints (a static graph step reads kv_len = capacity)
-            if st.kv_len > pool.capacity:
-                self.capacity_error(st.kv_len, "a forward")
-            if pool.pos is not None:  # every layer's positions, once per step
-                pool.write_positions(st.slots, st.positions)
+        if layer_idx == 0 and pool.pos is not None:  # every layer's positions, once per step
+            pool.write_positions(st.slots, st.positions)
         pool.write(layer_idx, key, value, st.slots)
         self.state.written(layer_idx, key, st)
         if layer_idx == self.num_layers - 1:  # every layer's new keys, once per step

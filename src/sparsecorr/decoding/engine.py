@@ -131,7 +131,10 @@ class Engine:
         # a paged kernel has no backward: a grad-enabled forward stays on the autograd path
         paged = (bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
                  and not torch.is_grad_enabled())
-        kv_len = self.pool.capacity if static else int((self.count + real).max())
+        needed = int((self.count + real).max())  # host ints, every path (a graph step reads kv_len = capacity)
+        if needed > self.pool.capacity:  # a policy whose capacity() is too small: refused before any write
+            self.cache.capacity_error(needed, "a forward")
+        kv_len = self.pool.capacity if static else needed
         st = Step(q_len=q_len, kv_len=kv_len, slots=to_dev(slots), positions=to_dev(self.ctx[:, None] + i),
                   counts=to_dev(self.count), paged=paged, part=part)
         if paged:  # one table plan per step, shared by every layer

@@ -91,6 +91,23 @@ def test_a_too_small_capacity_names_the_policy_and_the_hook():
         _generate(TooSmall(), budget=16)
 
 
+def test_a_too_small_capacity_is_refused_in_a_graph_steps_plan_too():
+    """A CUDA-graph step plans at the pool's fixed size (``static=True``, kv_len = capacity), so
+    the forward's own slot count is checked in `Engine.plan`, on every path."""
+    from sparsecorr.decoding.backends import select_backend
+    from sparsecorr.decoding.engine import Engine
+
+    model = tiny_model("qwen3", num_layers=LAYERS)
+    policy = TooSmall()
+    table = torch.full((64,), 16, dtype=torch.long)
+    back, _ = select_backend("torch", device=torch.device("cpu"), dtype=torch.float32, head_dim=16, group_size=1)
+    engine = Engine(model, policy=policy, backend=back, table=table, batch=2, capacity=3, grad=False)
+    engine.count = torch.tensor([16, 3])  # the pool's 16 slots are full in row 0
+    with pytest.raises(ValueError, match=r"TooSmall\(name='too_small'\)\.capacity: expected at least 17"):
+        engine.plan(1, torch.tensor([1, 1]), decode=True, static=True)
+    engine.close()
+
+
 def test_a_small_capacity_that_fits_runs():
     """The pool is whole pages: capacity 3 is 16 slots, enough at budget 6 + buffer 4 + chunk 4."""
     ref, out = _generate(EveryOther()), _generate(TooSmall())
