@@ -23,7 +23,6 @@ python -m sparsecorr_verl.main_ppo \
     +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.policy=rkv \
     +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.budget=2048 \
     +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.max_batch_size=256 \
-    +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.batch_window_ms=20 \
     +algorithm.rollout_correction.sparsecorr.preset=sparse_rl \
     trainer.n_gpus_per_node=8 trainer.nnodes=1 \
     "$@"

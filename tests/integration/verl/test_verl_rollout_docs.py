@@ -35,7 +35,7 @@ def test_the_documented_overrides_build_engine_options(source):
 def test_launcher_help_shows_the_rollout_lines():
     values = _options(main_ppo.__doc__)
     assert engine_options({"engine_kwargs": {"sparsecorr": values}}) == EngineOptions(
-        policy="rkv", budget=2048, backend="auto", max_batch_size=256, batch_window_ms=5)
+        policy="rkv", budget=2048, backend="auto", max_batch_size=256)
 
 
 def test_docs_table_lists_every_engine_option():

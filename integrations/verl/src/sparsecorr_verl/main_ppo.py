@@ -26,7 +26,6 @@ Sparse rollouts from sparsecorr's decoding engine (``pip install 'sparsecorr-ver
     +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.budget=2048      # or .schedule=<BudgetSchedule JSON>
     +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.backend=auto     # torch flashinfer reference
     +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.max_batch_size=256
-    +actor_rollout_ref.rollout.engine_kwargs.sparsecorr.batch_window_ms=5
 
 A complete GRPO launcher: integrations/verl/examples/grpo_sparse_rollout.sh.
 verl's own options: ``python -m verl.trainer.main_ppo --help`` (needs Ray and Hydra).
