@@ -131,7 +131,13 @@ class KVPolicy:
 class EvictionPolicy(KVPolicy):
     """A policy that drops KV for good: when a row holds more than ``budget + buffer`` slots the
     engine keeps the ``budget`` best-scored (`compress`). Subclasses define ``sink``, ``window``
-    and ``buffer`` fields and `score`."""
+    and ``buffer`` fields and `score`.
+
+    What ``budget`` bounds: the slots a row keeps after a compression. Between two compressions a
+    row grows to ``budget + buffer`` slots, and the step that crosses it attends
+    ``budget + buffer + 1`` (its own token included) before the compression after it; a prefill
+    chunk of ``c`` tokens attends at most ``budget + buffer + c``. ``RolloutBatch.kv_kept``
+    records what each step attended."""
 
     kind: ClassVar[Kind] = "eviction"
     tracks_positions: ClassVar[bool] = True
