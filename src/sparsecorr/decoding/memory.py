@@ -27,8 +27,9 @@ import torch
 from .hf import model_spec
 from .policies import KVPolicy
 from .pool import KVPool
+from .validate import budget_table
 
-__all__ = ["CPU_DEFAULT_ROWS", "FREE_FRACTION", "MemoryPlan", "check_caps", "plan_memory", "row_bytes"]
+__all__ = ["CPU_DEFAULT_ROWS", "FREE_FRACTION", "MemoryPlan", "check_caps", "plan_for", "plan_memory", "row_bytes"]
 
 FREE_FRACTION = 0.9  # of the device's free memory the pool may take
 CPU_DEFAULT_ROWS = 64  # rows on a non-CUDA device when neither cap is given
@@ -108,3 +109,17 @@ def plan_memory(*, per_row: int, fixed: int, capacity: int, device: torch.device
             raise ValueError(f"{what}: not one row fits: a row of {capacity} KV slots needs {need} bytes "
                              f"(with the scheduler's pristine row), the bound allows {allowed}")
     return MemoryPlan(rows=int(rows), row_bytes=per_row, capacity=capacity, bytes_allowed=allowed, source=source)
+
+
+def plan_for(model, policy: KVPolicy, budget, *, longest: int, chunk: int, max_num_seqs: int | None,
+             max_kv_bytes: int | None, extra_rows: int = 1) -> tuple[torch.Tensor, MemoryPlan]:
+    """The budget table (budget by context length, as ``generate`` builds it) and the memory plan
+    of rows of ``longest`` tokens read in prefill chunks of ``chunk``: each row's capacity is
+    `KVPolicy.capacity`, its bytes `row_bytes`, the rows `plan_memory` (``extra_rows``: the
+    scheduler's pristine row; 0 for a one-pool ``generate``)."""
+    table = budget_table(budget, dense=policy.ignores_budget, longest=longest)
+    capacity = policy.capacity(table, longest=longest, chunk=chunk)
+    per, fixed = row_bytes(model, policy, table, capacity)
+    device = next(model.parameters()).device
+    return table, plan_memory(per_row=per, fixed=fixed, capacity=capacity, device=device, max_num_seqs=max_num_seqs,
+                              max_kv_bytes=max_kv_bytes, extra_rows=extra_rows)

@@ -16,11 +16,10 @@ import time
 
 import torch
 
-from .memory import plan_memory, row_bytes
+from .memory import plan_for
 from .policies import KVPolicy
 from .rollout import blank_fields
 from .scheduler import RequestParams, Scheduler
-from .validate import budget_table
 
 __all__ = ["needs_scheduler", "run_scheduled"]
 
@@ -33,12 +32,9 @@ def needs_scheduler(model, lens: torch.Tensor, *, policy: KVPolicy, budget, max_
     n = int((lens > 0).sum())
     if n == 0 or (max_num_seqs is None and max_kv_bytes is None and device.type != "cuda"):
         return False
-    longest = int(lens.max()) + max_new_tokens
-    table = budget_table(budget, dense=policy.ignores_budget, longest=longest)
-    capacity = policy.capacity(table, longest=longest, chunk=prefill_chunk or int(lens.max()))
-    per, fixed = row_bytes(model, policy, table, capacity)
     try:
-        plan = plan_memory(per_row=per, fixed=fixed, capacity=capacity, device=device, max_num_seqs=max_num_seqs,
+        _, plan = plan_for(model, policy, budget, longest=int(lens.max()) + max_new_tokens,
+                           chunk=prefill_chunk or int(lens.max()), max_num_seqs=max_num_seqs,
                            max_kv_bytes=max_kv_bytes, extra_rows=0)
     except ValueError:
         return True  # not one row without the pristine row either: the scheduler says so by name

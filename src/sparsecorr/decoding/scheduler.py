@@ -43,11 +43,11 @@ from .cache import ATTN_NAME, active_cache
 from .engine import Engine
 from .hf import check_transformers, eval_modules, model_spec, sparse_attention
 from .loops import device_generator
-from .memory import MemoryPlan, plan_memory, row_bytes
+from .memory import MemoryPlan, plan_for
 from .policies import KVPolicy
 from .requests import Request, RequestOutput, RequestParams, check_prompt
 from .sampling import RowSampling, sample_rows
-from .validate import budget_table, vocab_size
+from .validate import vocab_size
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -99,11 +99,8 @@ class Scheduler:
         self.model, self.policy, self.backend_name = model, policy, backend
         self.max_model_len, self.chunk, self.cuda_graph = max_model_len, prefill_chunk, cuda_graph
         self.fused = cuda_graph if fused is None else fused
-        self.table = budget_table(budget, dense=policy.ignores_budget, longest=max_model_len)
-        capacity = policy.capacity(self.table, longest=max_model_len, chunk=prefill_chunk)
-        per, fixed = row_bytes(model, policy, self.table, capacity)
-        self.plan = plan_memory(per_row=per, fixed=fixed, capacity=capacity, device=self.device,
-                                max_num_seqs=max_num_seqs, max_kv_bytes=max_kv_bytes)
+        self.table, self.plan = plan_for(model, policy, budget, longest=max_model_len, chunk=prefill_chunk,
+                                         max_num_seqs=max_num_seqs, max_kv_bytes=max_kv_bytes)
         self.eos = frozenset(int(t) for t in eos)
         self.generator = device_generator(generator, self.device)
         self.engine: Engine | None = None
