@@ -83,11 +83,30 @@ def policy_name(spec: str, modules: list[str] | tuple[str, ...] = ()) -> str:
     return spec
 
 
+#: ``SamplerSpec`` field -> the flag that sets it (so its ValueError names the flag)
+_FLAGS = {"policy": "--policy", "budget": "--budget", "backend": "--backend", "cuda_graph": "--cuda-graph",
+          "fused": "--fused", "prefill_chunk": "--prefill-chunk"}
+_MODES = {"auto": None, "on": True, "off": False}
+
+
+def sampler_spec(args: argparse.Namespace):
+    """The engine flags as the shared ``sparsecorr.decoding.SamplerSpec`` (``--budget`` is
+    dropped for a policy that ignores it, e.g. ``dense``); a ``ValueError`` names the flag."""
+    from ..decoding.policies import POLICIES
+    from ..decoding.spec import spec_from
+
+    cls = POLICIES.get(args.policy)
+    dense = cls is not None and cls.ignores_budget
+    return spec_from({"policy": args.policy, "budget": None if dense else args.budget, "backend": args.backend,
+                      "cuda_graph": _MODES.get(args.cuda_graph, args.cuda_graph),
+                      "fused": _MODES.get(args.fused, args.fused), "prefill_chunk": args.prefill_chunk},
+                     rename=_FLAGS)
+
+
 def _check_options(args: argparse.Namespace) -> None:
     args.policy = policy_name(args.policy, getattr(args, "policy_module", ()))
-    if args.backend not in BACKENDS:
-        raise ValueError(f"--backend: expected one of {list(BACKENDS)}, got {args.backend!r}")
-    for name in ("budget", "max_new_tokens", "samples_per_prompt", "prefill_chunk"):
+    args.sampler_spec = sampler_spec(args)
+    for name in ("max_new_tokens", "samples_per_prompt"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--top-k", args.top_k, allow_none=True)
     if not math.isfinite(args.temperature) or args.temperature < 0:
@@ -190,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..decoding import generate, get_policy
+    from ..decoding import generate
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).to(device)
     model.eval()
@@ -199,15 +218,12 @@ def run(args: argparse.Namespace) -> int:
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-    policy = get_policy(args.policy)
+    engine = args.sampler_spec.generate_kwargs(model.device.type)
+    policy = engine["policy"]
     t0 = time.perf_counter()
-    batch = generate(model, ids, mask, policy=policy, budget=None if policy.ignores_budget else args.budget,
-                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    batch = generate(model, ids, mask, **engine, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, eos_token_id=model.config.eos_token_id,
-                     generator=torch.Generator().manual_seed(args.seed), progress=True, backend=args.backend,
-                     prefill_chunk=args.prefill_chunk,
-                     cuda_graph=args.cuda_graph == "on" or (args.cuda_graph == "auto" and model.device.type == "cuda"),
-                     fused={"auto": None, "on": True, "off": False}[args.fused])
+                     generator=torch.Generator().manual_seed(args.seed), progress=True)
     elapsed = time.perf_counter() - t0
     path = batch.save(args.out)  # an OSError (disk full) is one line from the CLI, status 1
     n_tok = int(batch.lengths.sum())

@@ -20,24 +20,35 @@ def _request(rid, max_tokens=3, **params):
                          max_model_len=4096, default_max_tokens=4, vocab_size=128)
 
 
-def _driver(**kw):
-    sched = FakeScheduler(**kw)
-    driver = EngineDriver(lambda: sched)
-    driver.start()
-    return driver, sched
+@pytest.fixture
+def serve():
+    """``serve(**fake_scheduler_kwargs) -> (driver, scheduler)``, started; closed after the test."""
+    made = []
+
+    def make(**kw):
+        sched = FakeScheduler(**kw)
+        driver = EngineDriver(lambda: sched)
+        driver.start()
+        made.append(driver)
+        return driver, sched
+
+    yield make
+    for driver in made:
+        asyncio.run(driver.close())
 
 
-async def _close(driver):
-    await driver.close()
+async def _after_steps(sched, n: int, dt: float) -> None:
+    """Return once the scheduler ran ``n`` steps."""
+    while sched.steps < n:
+        await asyncio.sleep(dt)
 
 
-def test_a_short_request_joins_the_running_batch_at_the_next_step():
-    driver, sched = _driver(rows=4, step_s=0.005)
+def test_a_short_request_joins_the_running_batch_at_the_next_step(serve):
+    driver, sched = serve(rows=4, step_s=0.005)
 
     async def run():
         long = asyncio.ensure_future(driver.submit(_request("long", max_tokens=200)))
-        while sched.steps < 20:
-            await asyncio.sleep(0.005)
+        await _after_steps(sched, 20, 0.005)
         short = await driver.submit(_request("short", max_tokens=3))
         done_while_long_runs = not long.done()
         return short, done_while_long_runs, await long
@@ -46,12 +57,12 @@ def test_a_short_request_joins_the_running_batch_at_the_next_step():
     assert early and short.token_ids == (100, 101, 102) and len(long.token_ids) == 200
     assert sched.admitted_at["short"] >= 20  # it joined the running batch, it did not wait for it
     assert sched.threads == {driver._thread.ident} and driver._thread.ident != threading.get_ident()
-    asyncio.run(_close(driver))
+    asyncio.run(driver.close())
     assert sched.closed and not driver._thread.is_alive()
 
 
-def test_requests_beyond_the_free_slots_wait_here_and_all_complete():
-    driver, sched = _driver(rows=2)
+def test_requests_beyond_the_free_slots_wait_here_and_all_complete(serve):
+    driver, sched = serve(rows=2)
 
     async def run():
         return await asyncio.gather(*[driver.submit(_request(f"r{i}", max_tokens=2 + i)) for i in range(7)])
@@ -59,17 +70,15 @@ def test_requests_beyond_the_free_slots_wait_here_and_all_complete():
     outs = asyncio.run(run())
     assert [len(o.token_ids) for o in outs] == [2 + i for i in range(7)]
     assert sched.max_resident == 2 and sched.max_waiting <= 2  # fed to free slots only
-    asyncio.run(_close(driver))
 
 
-def test_abort_all_returns_running_rows_partial_tokens_and_queued_empty():
-    driver, sched = _driver(rows=1, step_s=0.005)
+def test_abort_all_returns_running_rows_partial_tokens_and_queued_empty(serve):
+    driver, sched = serve(rows=1, step_s=0.005)
 
     async def run():
         running = asyncio.ensure_future(driver.submit(_request("run", max_tokens=500)))
         queued = asyncio.ensure_future(driver.submit(_request("queued", max_tokens=5)))
-        while sched.steps < 5:
-            await asyncio.sleep(0.005)
+        await _after_steps(sched, 5, 0.005)
         ids = await driver.abort_all()
         return ids, await running, await queued
 
@@ -78,16 +87,14 @@ def test_abort_all_returns_running_rows_partial_tokens_and_queued_empty():
     assert running.finish_reason == "aborted" and 5 <= len(running.token_ids) < 500
     assert len(running.logprobs) == len(running.token_ids)
     assert queued.finish_reason == "aborted" and queued.token_ids == ()
-    asyncio.run(_close(driver))
 
 
-def test_pause_lets_running_rows_finish_and_holds_new_ones_until_resume():
-    driver, sched = _driver(rows=2, step_s=0.002)
+def test_pause_lets_running_rows_finish_and_holds_new_ones_until_resume(serve):
+    driver, sched = serve(rows=2, step_s=0.002)
 
     async def run():
         first = asyncio.ensure_future(driver.submit(_request("first", max_tokens=30)))
-        while sched.steps < 3:
-            await asyncio.sleep(0.002)
+        await _after_steps(sched, 3, 0.002)
         await driver.pause()
         finished = first.done() and not sched.has_unfinished()
         await driver.call(lambda s: s.release())
@@ -100,11 +107,10 @@ def test_pause_lets_running_rows_finish_and_holds_new_ones_until_resume():
     finished, held, first, late = asyncio.run(run())
     assert finished and held and sched.released == 1
     assert len(first.token_ids) == 30 and late.finish_reason == "length"
-    asyncio.run(_close(driver))
 
 
-def test_drain_waits_for_every_submitted_request():
-    driver, _sched = _driver(rows=1, step_s=0.002)
+def test_drain_waits_for_every_submitted_request(serve):
+    driver, _sched = serve(rows=1, step_s=0.002)
 
     async def run():
         tasks = [asyncio.ensure_future(driver.submit(_request(f"r{i}", max_tokens=4))) for i in range(4)]
@@ -113,11 +119,10 @@ def test_drain_waits_for_every_submitted_request():
         return [t.done() for t in tasks]
 
     assert asyncio.run(run()) == [True] * 4
-    asyncio.run(_close(driver))
 
 
-def test_a_refused_request_fails_only_its_caller():
-    driver, _sched = _driver(rows=2)
+def test_a_refused_request_fails_only_its_caller(serve):
+    driver, _sched = serve(rows=2)
 
     async def run():
         bad = driver.submit(_request("bad", max_tokens=2000))
@@ -127,11 +132,10 @@ def test_a_refused_request_fails_only_its_caller():
     bad, good = asyncio.run(run())
     assert isinstance(bad, ValueError) and "max_tokens" in str(bad)
     assert good.finish_reason == "length"
-    asyncio.run(_close(driver))
 
 
-def test_a_failing_step_fails_its_rows_and_the_driver_goes_on():
-    driver, sched = _driver(rows=4, fail_on="boom")
+def test_a_failing_step_fails_its_rows_and_the_driver_goes_on(serve):
+    driver, sched = serve(rows=4, fail_on="boom")
 
     async def run():
         first = await asyncio.gather(driver.submit(_request("boom")), driver.submit(_request("other")),
@@ -142,11 +146,10 @@ def test_a_failing_step_fails_its_rows_and_the_driver_goes_on():
     (boom, other), nxt = asyncio.run(run())
     assert isinstance(boom, RuntimeError) and isinstance(other, RuntimeError)
     assert nxt.finish_reason == "length"
-    asyncio.run(_close(driver))
 
 
-def test_a_cancelled_caller_frees_its_row_and_a_duplicate_id_is_refused():
-    driver, sched = _driver(rows=1, step_s=0.002)
+def test_a_cancelled_caller_frees_its_row_and_a_duplicate_id_is_refused(serve):
+    driver, sched = serve(rows=1, step_s=0.002)
 
     async def run():
         task = asyncio.ensure_future(driver.submit(_request("gone", max_tokens=1000)))
@@ -160,7 +163,6 @@ def test_a_cancelled_caller_frees_its_row_and_a_duplicate_id_is_refused():
     dup, after = asyncio.run(run())
     assert isinstance(dup, ValueError) and "request_id" in str(dup)
     assert after.finish_reason == "length" and not sched.running
-    asyncio.run(_close(driver))
 
 
 def test_a_scheduler_that_cannot_be_built_raises_at_start():

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib
 import statistics
 import time
-import weakref
 
 import pytest
 
@@ -22,6 +20,7 @@ from tests.integration.verl.rollout_helpers import (
     policy_copy,
     save_tiny,
 )
+from tests.unit.decoding.tracking import track_engines
 
 pytestmark = pytest.mark.usefixtures("verl_ray")
 GREEDY = {"temperature": 0.0, "logprobs": True}
@@ -164,27 +163,7 @@ def test_drain_waits_for_every_request(ckpt):
 def tracked(monkeypatch):
     """Weak references to every engine, KV pool, pool tensor and policy-state buffer the server's
     scheduler allocates, with Python's cycle collector off."""
-    engine_mod = importlib.import_module("sparsecorr.decoding.engine")
-    scheduler_mod = importlib.import_module("sparsecorr.decoding.scheduler")
-    from sparsecorr.decoding.pool import KVPool
-
-    refs: list[weakref.ref] = []
-
-    class TrackedPool(KVPool):
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            refs.append(weakref.ref(self))
-            refs.extend(weakref.ref(t) for g in (self.k, self.v, self.pos or []) for t in g)
-
-    class TrackedEngine(engine_mod.Engine):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            refs.append(weakref.ref(self))
-            refs.append(weakref.ref(self.cache.state))
-            refs.extend(weakref.ref(t) for t in self.cache.state.buffers())
-
-    monkeypatch.setattr(engine_mod, "KVPool", TrackedPool)
-    monkeypatch.setattr(scheduler_mod, "Engine", TrackedEngine)
+    refs = track_engines(monkeypatch, "sparsecorr.decoding.scheduler")
     gc.collect()
     gc.disable()
     try:

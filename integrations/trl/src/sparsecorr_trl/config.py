@@ -9,13 +9,16 @@ from typing import Any
 
 from sparsecorr._checks import check_positive
 from sparsecorr.correction import Correction, get_preset
-from sparsecorr.decoding import get_policy
-from sparsecorr.schedules import BudgetSchedule
+from sparsecorr.decoding.spec import SamplerSpec, spec_from
+
+_RENAMED = {"fused": "fused_step", "max_num_seqs": "sparse_max_num_seqs"}  # SamplerSpec field -> ours
 
 
 @dataclass(frozen=True)
 class SparseCorrConfig:
-    """What the trainer samples with, corrects and logs.
+    """What the trainer samples with, corrects and logs. The sampler's fields (``policy`` ...
+    ``sparse_max_num_seqs``) are those of the shared ``sparsecorr.decoding.SamplerSpec``
+    (`sampler_spec`), which validates them.
 
     Attributes:
         correction: the rollout correction: a preset name for
@@ -105,21 +108,12 @@ class SparseCorrConfig:
     def __post_init__(self) -> None:
         self.build()
         sparse = self.policy is not None and self.policy != "dense"
-        if self.policy is not None:
-            get_policy(self.policy, **self.policy_kwargs)
-        if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
-            raise ValueError(f"budget: expected a positive int or None, got {self.budget!r}")
-        if self.budget is not None and self.schedule is not None:
-            raise ValueError("budget/schedule: expected one of them, got both")
-        if sparse and self.budget is None and self.schedule is None:
-            raise ValueError(f"budget: policy {self.policy!r} needs a budget or a schedule, "
-                             "got neither")
+        # the sampler's fields: validated once, by the shared SamplerSpec (a dense spec checks the
+        # engine fields' types when TRL generates)
+        self._spec(self.policy or "dense", with_budget=self.policy is not None)
         if self.policy is None and (self.budget is not None or self.schedule is not None):
             raise ValueError("policy: expected a KV policy name when a budget or schedule is "
                              "given, got None")
-        if self.schedule is not None and not Path(self.schedule).is_file():
-            raise ValueError(f"schedule: expected a BudgetSchedule JSON file, got "
-                             f"{str(self.schedule)!r} (not found)")
         if self.controller and self.schedule is None:
             raise ValueError("controller: needs a schedule (the controller adjusts its bins), "
                              "got schedule=None")
@@ -134,25 +128,29 @@ class SparseCorrConfig:
         for name in ("distill_rank", "distill_alpha", "acceptance_topk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
-        if not (self.cuda_graph is None or isinstance(self.cuda_graph, bool)):
-            raise ValueError(f"cuda_graph: expected None (on for CUDA), True or False, got {self.cuda_graph!r}")
         if self.cuda_graph and self.policy is None:
             raise ValueError("cuda_graph: applies to sparsecorr's sampler (set policy), got policy=None")
-        if not (self.fused_step is None or isinstance(self.fused_step, bool)):
-            raise ValueError(f"fused_step: expected None (on with cuda_graph), True or False, got {self.fused_step!r}")
-        if self.fused_step and (self.policy is None or self.cuda_graph is False):
+        if self.fused_step and self.policy is None:
             raise ValueError("fused_step: compiles sparsecorr's CUDA-graph decode step (needs policy set and "
                              f"cuda_graph None or True), got policy={self.policy!r}, cuda_graph={self.cuda_graph!r}")
-        if self.backend not in ("auto", "torch", "flashinfer", "reference"):
-            raise ValueError(f"backend: expected one of ['auto', 'torch', 'flashinfer', 'reference'], "
-                             f"got {self.backend!r}")
-        n = self.sparse_max_num_seqs
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"sparse_max_num_seqs: expected None or an int >= 1, got {n!r}")
-        if n is not None and self.policy is None:
+        if self.sparse_max_num_seqs is not None and self.policy is None:
             raise ValueError("sparse_max_num_seqs: caps sparsecorr's sampler (set policy), got policy=None")
         check_positive("distill_lr", self.distill_lr, allow_zero=True)
         check_positive("distill_kl_weight", self.distill_kl_weight, allow_zero=True)
+
+    def _spec(self, policy: str, *, with_budget: bool) -> SamplerSpec:
+        values = {"policy": policy, "policy_kwargs": self.policy_kwargs if with_budget else {},
+                  "backend": self.backend, "cuda_graph": self.cuda_graph, "fused": self.fused_step,
+                  "max_num_seqs": self.sparse_max_num_seqs}
+        if with_budget:
+            values.update(budget=self.budget, schedule=None if self.schedule is None else str(self.schedule))
+        return spec_from(values, rename=_RENAMED)
+
+    def sampler_spec(self) -> SamplerSpec | None:
+        """The sparse sampler's options as the shared ``sparsecorr.decoding.SamplerSpec``
+        (``fused_step`` is its ``fused``, ``sparse_max_num_seqs`` its ``max_num_seqs``), or
+        None when TRL generates (``policy=None``)."""
+        return None if self.policy is None else self._spec(self.policy, with_budget=True)
 
     def build(self):
         """The correction callable, or ``None`` for no correction (ValueError on a bad value)."""
@@ -175,10 +173,10 @@ class SparseCorrConfig:
 
     def build_policy(self):
         """The KV policy, or ``None`` when TRL generates."""
-        return None if self.policy is None else get_policy(self.policy, **self.policy_kwargs)
+        spec = self.sampler_spec()
+        return None if spec is None else spec.build_policy()
 
     def build_budget(self):
         """The initial budget: an int, a loaded ``BudgetSchedule`` or ``None`` (dense)."""
-        if self.schedule is not None:
-            return BudgetSchedule.load(self.schedule)
-        return self.budget
+        spec = self.sampler_spec()
+        return None if spec is None else spec.build_budget()

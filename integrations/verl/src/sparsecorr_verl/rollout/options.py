@@ -15,18 +15,18 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 __all__ = ["ENGINE_KEY", "EngineOptions", "engine_options"]
 
 ENGINE_KEY = "sparsecorr"
-_BACKENDS = ("auto", "torch", "flashinfer", "reference")
+_RENAMED = {"fused": "fused_step", "max_num_seqs": "max_batch_size"}  # SamplerSpec field -> ours
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How the server runs ``sparsecorr.decoding.generate``.
+    """How the server runs its ``sparsecorr.decoding.Scheduler``: verl's names for the fields of
+    the shared ``sparsecorr.decoding.SamplerSpec`` (`sampler_spec`), which validates them.
 
     Attributes:
         policy: KV policy name for ``sparsecorr.decoding.get_policy`` (``dense``,
@@ -61,31 +61,7 @@ class EngineOptions:
     batch_window_ms: float | None = None
 
     def __post_init__(self) -> None:
-        from sparsecorr.decoding import get_policy
-
-        get_policy(self.policy, **dict(self.policy_kwargs))
-        sparse = self.policy != "dense"
-        _check_count("budget", self.budget)
-        _check_count("prefill_chunk", self.prefill_chunk)
-        _check_count("max_batch_size", self.max_batch_size)
-        _check_count("max_kv_bytes", self.max_kv_bytes)
-        if self.budget is not None and self.schedule is not None:
-            raise ValueError("budget/schedule: expected one of them, got both")
-        if sparse and self.budget is None and self.schedule is None:
-            raise ValueError(f"budget: policy {self.policy!r} needs a budget or a schedule, got neither")
-        if not sparse and (self.budget is not None or self.schedule is not None):
-            raise ValueError("policy: expected a sparse KV policy when a budget or schedule is given, "
-                             "got 'dense'")
-        if self.schedule is not None and not Path(self.schedule).is_file():
-            raise ValueError(f"schedule: expected a BudgetSchedule JSON file, got {self.schedule!r} (not found)")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"backend: expected one of {list(_BACKENDS)}, got {self.backend!r}")
-        for name in ("cuda_graph", "fused_step"):
-            if getattr(self, name) not in (None, True, False):
-                raise ValueError(f"{name}: expected None, True or False, got {getattr(self, name)!r}")
-        if self.fused_step and self.cuda_graph is False:
-            raise ValueError("fused_step: compiles the CUDA-graph decode step, got fused_step=True with "
-                             "cuda_graph=False")
+        self.sampler_spec()  # validates every engine field, named as here
         window = self.batch_window_ms
         if window is not None:
             if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window <= 60_000:
@@ -94,28 +70,28 @@ class EngineOptions:
                           "runs on the continuous-batching scheduler, where a request joins the running "
                           "batch at the next step", DeprecationWarning, stacklevel=3)
 
+    def sampler_spec(self):
+        """These options as the shared ``sparsecorr.decoding.SamplerSpec`` (``fused_step`` is its
+        ``fused``, ``max_batch_size`` its ``max_num_seqs``); a ``ValueError`` names verl's field."""
+        from sparsecorr.decoding.spec import spec_from
+
+        return spec_from({"policy": self.policy, "policy_kwargs": self.policy_kwargs, "budget": self.budget,
+                          "schedule": self.schedule, "backend": self.backend, "cuda_graph": self.cuda_graph,
+                          "fused": self.fused_step, "prefill_chunk": self.prefill_chunk,
+                          "max_num_seqs": self.max_batch_size, "max_kv_bytes": self.max_kv_bytes},
+                         rename=_RENAMED)
+
     def build_policy(self):
         """The ``KVPolicy`` object."""
-        from sparsecorr.decoding import get_policy
-
-        return get_policy(self.policy, **dict(self.policy_kwargs))
+        return self.sampler_spec().build_policy()
 
     def build_budget(self):
         """``generate``'s ``budget``: an int, a loaded ``BudgetSchedule`` or None (dense)."""
-        if self.schedule is not None:
-            from sparsecorr.schedules import BudgetSchedule
-
-            return BudgetSchedule.load(self.schedule)
-        return self.budget
+        return self.sampler_spec().build_budget()
 
     def cuda_graph_for(self, device_type: str) -> bool:
         """``cuda_graph`` resolved for a model on ``device_type``."""
-        return device_type == "cuda" if self.cuda_graph is None else self.cuda_graph
-
-
-def _check_count(name: str, value: object) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"{name}: expected a positive int or None, got {value!r}")
+        return self.sampler_spec().cuda_graph_for(device_type)
 
 
 def _section(container: object, where: str) -> dict[str, Any] | None:

@@ -176,14 +176,12 @@ class SparseCorrServer:
         """The server's one `Scheduler` (built on the engine thread)."""
         from sparsecorr.decoding import Scheduler
 
-        o = self.options
+        spec = self.options.sampler_spec()
         seed = int(_field(self.config, "seed", 0)) + int(self.replica_rank)
-        kwargs = {} if o.prefill_chunk is None else {"prefill_chunk": o.prefill_chunk}
-        return Scheduler(model, policy=o.build_policy(), budget=o.build_budget(), max_model_len=self.max_model_len,
-                         backend=o.backend, cuda_graph=o.cuda_graph_for(self.device.type), fused=o.fused_step,
-                         max_num_seqs=o.max_batch_size or int(_field(self.config, "max_num_seqs", 1024)),
-                         max_kv_bytes=o.max_kv_bytes, eos_token_id=self.eos_token_id,
-                         generator=torch.Generator(device=self.device).manual_seed(seed), **kwargs)
+        kwargs = spec.scheduler_kwargs(self.device.type, max_model_len=self.max_model_len)
+        kwargs["max_num_seqs"] = spec.max_num_seqs or int(_field(self.config, "max_num_seqs", 1024))
+        return Scheduler(model, **kwargs, eos_token_id=self.eos_token_id,
+                         generator=torch.Generator(device=self.device).manual_seed(seed))
 
     def get_server_address(self) -> tuple[str, int]:
         """No HTTP server: verl's load balancer only needs a unique id per replica."""
