@@ -28,7 +28,7 @@ from sparsecorr_trl.demo.plots import write_plots
 QUICK = demo_run.DemoConfig.quick()
 ARMS = set(demo_run.arm_names(QUICK))
 #: the quick run's sparse samplers, each run with and without sparse_rl()
-SAMPLERS = ("b8", "b16", "schedule", "topk12", "b16@24")
+SAMPLERS = ("b8", "b16", "schedule", "topk12", "b16@24", "rkv16@24")
 PNGS = report.PNGS
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -73,6 +73,8 @@ def test_demo_quick(quick_run):
         assert {r["correction"] for r in rows if r["sampler"] == s} >= {"none", "sparse_rl"}
     for arm in ("b8/none", "b8/sparse_rl"):
         assert {r["mean_budget"] for r in by_arm[arm]} == {8.0}
+    for arm in ("rkv16@24/none", "rkv16@24/sparse_rl"):
+        assert {r["mean_budget"] for r in by_arm[arm]} == {16.0}
     for arm, rs in by_arm.items():
         corrected = rs[0]["correction"] != "none"
         assert all(("sparsecorr/correction/kept_token_frac" in r) == corrected for r in rs), arm
@@ -165,7 +167,8 @@ def test_quick_report_comes_from_metrics_jsonl(quick_run):
     assert [name for name, _, _ in checked] == ["dense improves", "schedule matches dense",
                                                 "uncorrected below dense",
                                                 "correction rescues a sampler",
-                                                "DistillSparse raises the tail"]
+                                                "DistillSparse raises the tail",
+                                                "correction under R-KV"]
     word = {True: "holds", False: "does not hold", None: "not checked"}
     for name, ok, sentence in checked:
         assert f"- **{name}: {word[ok]}.** {sentence}" in text
@@ -186,6 +189,8 @@ def test_quick_report_comes_from_metrics_jsonl(quick_run):
     dis = [r for r in rows if r["arm"] == "topk12/sparse_rl+distill" and "probe_accept_q05" in r]
     lift = sum(r["probe_accept_q05"] - r["probe_accept_q05_noadapter"] for r in dis) / len(dis)
     assert checked[4][1] == (lift > m)
+    (rkv,) = _paired_diff(rows, "rkv16@24/sparse_rl", "rkv16@24/none")
+    assert checked[5][1] == (rkv > m) and f"{rkv:+.3f}" in checked[5][2]
     # one seed decides nothing: no sentence or table of this report calls anything resolved
     assert "resolved" not in text.lower()
     # --report-only rebuilds the same report from the run's files
@@ -375,14 +380,27 @@ def test_a_multi_seed_report_prints_the_deciding_comparison_per_seed(tmp_path, m
     assert next(x for x in report.correction_effects(by) if x["sampler"] == "b8")["seeds"] == [0, 1, 2]
 
 
-def test_full_runs_the_claims_arms_over_at_least_8_seeds():
+def test_full_runs_the_claims_arms_over_16_seeds():
     full = demo_run.DemoConfig.full()
     names = demo_run.arm_names(full)
     assert set(full.claim_arms) <= set(names)
-    assert {"dense@64", "b16@64/none", "b16@64/sparse_rl"} <= set(full.claim_arms)
+    assert {"dense@64", "b16@64/none", "b16@64/sparse_rl", "rkv16@64/none",
+            "rkv16@64/sparse_rl"} <= set(full.claim_arms)
     for arm in names:
-        n = len(full.seeds_of(arm))
-        assert n >= 8 if arm in full.claim_arms else n == 3, arm
+        seeds = full.seeds_of(arm)
+        assert seeds == tuple(range(16)) if arm in full.claim_arms else len(seeds) == 3, arm
+    # the R-KV arms sample with RKV as its authors score it (R-KV's defaults), compressing at
+    # every step past the budget like the StreamingLLM arms, on the deciding comparison's length
+    from sparsecorr.decoding import get_policy
+    from sparsecorr.decoding.policies import RKV
+
+    arms = {a.name: a for a in demo_run.demo_arms(full, Path("s.json"), sink=1)}
+    for c in ("none", "sparse_rl"):
+        rkv, b16 = arms[f"rkv16@64/{c}"], arms[f"b16@64/{c}"]
+        assert (rkv.max_new_tokens, rkv.config["budget"]) == (b16.max_new_tokens, b16.config["budget"])
+        assert rkv.config["correction"] == c and rkv.sampler == "rkv16@64"
+        policy = get_policy(rkv.config["policy"], **rkv.config["policy_kwargs"])
+        assert policy == RKV(buffer=0) and (policy.scoring, policy.variant) == ("r_kv", "r_kv")
     bad = demo_run.DemoConfig(claim_arms=("no_such_arm",), claim_seeds=(0, 1))
     with pytest.raises(ValueError, match="claim_arms"):
         demo_run._check_claim_arms(bad, demo_run.arm_names(bad))
@@ -497,18 +515,22 @@ def test_docs_full_run_is_rebuilt_from_its_shipped_metrics(tmp_path):
         shutil.copy(FULL_RUN / name, tmp_path / name)
     (tmp_path / "metrics.jsonl").write_bytes(gzip.decompress((FULL_RUN / "metrics.jsonl.gz").read_bytes()))
     config = json.loads((tmp_path / "run.json").read_text())["config"]
-    assert config["claim_seeds"] == list(range(8)) and config["seeds"] == [0, 1, 2]
-    assert config["claim_arms"] == list(demo_run.DemoConfig.full().claim_arms)
+    # the shipped run is a --full run: its claims' arms over its claim seeds, the others over 3
+    full = demo_run.DemoConfig.full()
+    assert config["seeds"] == list(full.seeds) and len(config["claim_seeds"]) >= 8
+    assert set(config["claim_arms"]) <= set(full.claim_arms)
     assert main(["demo", "--report-only", "--out", str(tmp_path)]) == 0
     rebuilt = (tmp_path / "report.md").read_text()
     docs = (ROOT / "docs" / "getting-started.md").read_text()
     section = docs[docs.index("### One `--full` run"):]
     tables = [ln for ln in section.splitlines() if ln.startswith("|")]
-    claimed = [ln for ln in section.splitlines()
-               if re.match(r"- \*\*[^*]+: (holds|does not hold|not checked)\.\*\* ", ln)]
-    assert len(tables) > 20 and len(claimed) == 5
+    pattern = r"- \*\*[^*]+: (holds|does not hold|not checked)\.\*\* "
+    claimed = [ln for ln in section.splitlines() if re.match(pattern, ln)]
+    assert len(tables) > 20
+    assert len(claimed) == len([ln for ln in rebuilt.splitlines() if re.match(pattern, ln)]) == 6
     assert "| seed | dense@64 | b16@64/none | b16@64/sparse_rl | difference |" in tables
-    assert sum(ln.startswith("| 7 |") for ln in tables) == 1  # the deciding table, 8 seeds
+    last = config["claim_seeds"][-1]
+    assert sum(ln.startswith(f"| {last} |") for ln in tables) == 1  # the deciding table
     for line in tables + claimed:
         assert line in rebuilt, line
     for number in re.findall(r"(?<![\w.])[-+]?\d+\.\d{2,}(?![\d.])", section):  # not versions

@@ -25,17 +25,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Calibrate a KV budget on a shipped tiny Qwen3 (pre-trained to a partial "
                     "skill on a recall task), fit a schedule, and train GRPO arms with "
                     "SparseGRPOTrainer that cross the sampler (dense; StreamingLLM at the "
-                    "aggressive budget, at fixed budgets and on the fitted schedule) with the "
+                    "aggressive budget, at fixed budgets and on the fitted schedule; block "
+                    "top-k; R-KV and StreamingLLM on longer responses) with the "
                     "correction (none; sparse_rl()), plus DistillSparse; write report.md with "
-                    "plots: what the correction buys per sampler over seeds, and five claims "
+                    "plots: what the correction buys per sampler over seeds, and six claims "
                     "checked against the numbers. CPU-bound; see docs/getting-started.md for "
-                    "measured times on 2 cores (default: one seed; --full: the claims' arms over 8 "
+                    "measured times on 2 cores (default: one seed; --full: the claims' arms over 16 "
                     "seeds, the others over 3).")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="smoke test: 3 steps of 2 prompts x 4 rollouts per arm, one seed")
     size.add_argument("--full", action="store_true",
-                      help="the study: the arms the claims rest on over 8 seeds, the others over 3, "
+                      help="the study: the arms the claims rest on over 16 seeds, the others over 3, "
                            "reported as mean ± spread")
     size.add_argument("--report-only", action="store_true",
                       help="rewrite report.md and the plots of the finished run in --out from "

@@ -9,7 +9,9 @@ deviation (undefined for one seed, where a fixed margin stands in and the report
 difference between two arms is *resolved* by the seeds when its paired 95 % t-interval over the
 seeds, \(\bar d \pm t_{0.975, n-1}\, s_d / \sqrt{n}\), excludes 0; a one-seed report has no
 interval and never calls anything resolved. `deciding_table` prints, seed by seed, the
-comparison the correction claim rests on.
+comparison the correction claim rests on; `halves_table` gives each deciding verdict (every pair
+over 4 or more seeds: what the correction buys, the uncorrected arm against dense, the corrected
+arm against dense) on each half of the seeds and pooled (`halves`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from statistics import mean, stdev
 
 from sparsecorr._io import atomic_write_text
 
+from .halves import split_rows, verdict_cell
 from .plots import PNGS, write_plots
 from .verdicts import (
     CLEAR_GAIN,
@@ -37,7 +40,8 @@ from .verdicts import (
 
 __all__ = ["CLEAR_GAIN", "FAIL_FRACTION", "KV_FRACTION", "METRICS", "ONE_SEED_MARGIN", "PNGS",
            "REPRODUCIBILITY", "claims", "correction_effects", "correction_table",
-           "deciding_effect", "deciding_table", "distill_effect", "findings", "interval", "pm",
+           "deciding_effect", "deciding_table", "distill_effect", "findings", "halves_table",
+           "halves_text", "interval", "pm",
            "seeds_text", "spread", "summarize", "summarize_seed", "summary_table", "tail_table",
            "write_failure_report", "write_report"]
 
@@ -267,7 +271,47 @@ REPRODUCIBILITY = (
     "reward can differ by several hundredths from one machine to another.",
     "- So the unit of evidence is the spread over seeds, not one seed's value: a difference "
     "counts only when its 95% interval over all its seeds excludes 0, and a one-seed run "
-    "decides nothing (`--full` runs the arms the claims rest on over 8 seeds).")
+    "decides nothing (`--full` runs the arms the claims rest on over 16 seeds, and the report "
+    "gives each deciding verdict on each half of them and pooled).")
+
+
+def halves_table(by: dict[str, dict]) -> str:
+    """Markdown table: per deciding pair (`halves.split_rows`) and comparison, the paired
+    difference with its 95 % interval on each half of the seeds and pooled; "" without one."""
+    rows = split_rows(by)
+    if not rows:
+        return ""
+    parts = list(dict.fromkeys(v["part"] for _, vs in rows for v in vs))
+    lines = ["| comparison | " + " | ".join(parts) + " |", "|---" * (len(parts) + 1) + "|"]
+    for _, vs in rows:
+        for label in dict.fromkeys(v["label"] for v in vs):
+            cells = {v["part"]: verdict_cell(v) for v in vs if v["label"] == label}
+            lines.append(f"| {label} | " + " | ".join(cells.get(p, "-") for p in parts) + " |")
+    return "\n".join(lines)
+
+
+def halves_text(by: dict[str, dict]) -> list[str]:
+    """One sentence per deciding pair: the pooled correction effect and collapse, whether each
+    half agrees with the pooled verdict, said plainly whichever way they fall."""
+    out = []
+    for e, vs in split_rows(by):
+        pooled = {v["comparison"]: v for v in vs if v["part"].endswith("(pooled)")}
+        halves = [v for v in vs if not v["part"].endswith("(pooled)")]
+        cor, col = pooled["correction"], pooled["collapse"]
+        disagree = sorted({v["part"] for v in halves
+                           if v["comparison"] in ("correction", "collapse")
+                           and v["resolved"] != pooled[v["comparison"]]["resolved"]})
+        out.append(
+            f"{e['sampler']}, pooled over {len(cor['seeds'])} seeds: the correction's effect "
+            f"({e['cor_arm']} minus {e['unc_arm']}) is {verdict_cell(cor)}; the uncorrected arm "
+            f"minus {e['dense_arm']} is {verdict_cell(col)}, so the collapse the correction is "
+            f"said to rescue is "
+            + ("resolved" if col["resolved"] == -1 else "not itself resolved at this sparsity")
+            + ". " + (f"On {' and on '.join(disagree)} alone a verdict differs from the pooled "
+                      f"one (half the seeds give a wider interval), so the pooled verdict rests "
+                      f"on all {len(cor['seeds'])} seeds, not on either half." if disagree else
+                      "Each half of the seeds gives the same verdicts as the pooled seeds."))
+    return out
 
 
 def _deciding_section(by: dict, one: bool) -> list[str]:
@@ -279,11 +323,17 @@ def _deciding_section(by: dict, one: bool) -> list[str]:
                f"{pm(e['diff'], e['diff_sd'], signed=True)} over {n} seeds, 95% interval "
                f"[{e['lo']:+.3f}, {e['hi']:+.3f}]: "
                + ("resolved" if e["resolved"] else "not resolved"))
+    split = halves_table(by)
     return ["## The deciding comparison, seed by seed", "",
             f"The correction claim rests on sampler {e['sampler']} ({e['regime']}): the final "
             f"held-out greedy reward per seed of {e['dense_arm']}, {e['unc_arm']} and "
             f"{e['cor_arm']}, and the paired difference ({verdict}).", "",
-            deciding_table(by, e)]
+            deciding_table(by, e),
+            *(["", "## The deciding verdicts per half of the seeds and pooled", "",
+               "Every sampler pair that ran over 4 or more seeds: the paired difference of the "
+               "final held-out greedy reward with its 95% t-interval, on each half of the seeds "
+               "and on all of them.", "", split, "", *[f"- {t}" for t in halves_text(by)]]
+              if split else [])]
 
 
 def write_report(out: Path, *, rows, table, schedule, config, calib_s: float,

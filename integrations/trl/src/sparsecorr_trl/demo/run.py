@@ -10,7 +10,8 @@ The study crosses the sampler with the correction, so that each comparison chang
 | ``schedule/none``, ``schedule/sparse_rl`` | StreamingLLM, the fitted schedule | none / ``sparse_rl()`` |
 | ``topk8/...``, ``topk12/...`` | block top-k (``DemoConfig.topk_budgets``) | none / ``sparse_rl()`` |
 | ``topk8/sparse_rl+distill`` | ``DemoConfig.distill_at`` + the sampler's LoRA adapter | ``sparse_rl()`` |
-| ``dense@64``, ``b16@64/...`` | longer responses (``long_tokens``): dense, StreamingLLM 16 | none / ``sparse_rl()`` |
+| ``dense@64``, ``b16@64/...`` | longer responses (``long_tokens``): dense, StreamingLLM 16 (and 12 with ``--full``) | none / ``sparse_rl()`` |
+| ``rkv16@64/...`` | the same length, R-KV at budget 16 (``long_rkv_budgets``, `RKV` with its authors' scoring) | none / ``sparse_rl()`` |
 
 Every arm trains from the same shipped model (pre-trained to a partial skill by
 ``scripts/make_demo_model.py``) on the same prompts for each seed, and is evaluated on the same
@@ -40,27 +41,35 @@ from .report import write_failure_report, write_report
 from .task import PROMPT_LEN, RESPONSE_LEN, demo_model, make_prompts
 from .train import Arm, quiet_demo, train_arm
 
-__all__ = ["CLAIM_ARMS", "CORRECTIONS", "DemoConfig", "DemoError", "arm_names", "demo_arms",
+__all__ = ["CLAIM_ARMS", "CORRECTIONS", "FULL_CLAIM_SEEDS", "RKV_KWARGS", "DemoConfig", "DemoError", "arm_names", "demo_arms",
            "demo_samplers", "rerender", "run_demo"]
 
 #: the corrections crossed with every sparse sampler
 CORRECTIONS = ("none", "sparse_rl")
 DISTILL = "sparse_rl+distill"
-#: the arms the five claims rest on (``--full`` runs them over ``DemoConfig.claim_seeds``):
+#: the arms the six claims rest on (``--full`` runs them over ``DemoConfig.claim_seeds``):
 #: dense (dense improves; the reference of the next two), the scheduled + corrected arm
 #: (schedule matches dense), the uncorrected aggressive arm (uncorrected below dense), the
-#: long-response comparison (correction rescues a sampler) and DistillSparse with its
-#: uncorrected-adapter twin (DistillSparse raises the tail)
+#: long-response comparison (correction rescues a sampler), DistillSparse with its
+#: uncorrected-adapter twin (DistillSparse raises the tail) and the same long-response
+#: comparison under a faithful R-KV sampler (the correction under R-KV)
 CLAIM_ARMS = ("dense", "b8/none", "schedule/sparse_rl", "topk8/sparse_rl",
-              "topk8/sparse_rl+distill", "dense@64", "b16@64/none", "b16@64/sparse_rl")
-#: seeds the claims' arms run over with ``--full`` (the other arms: ``DemoConfig.seeds``)
-FULL_CLAIM_SEEDS = tuple(range(8))
+              "topk8/sparse_rl+distill", "dense@64", "b16@64/none", "b16@64/sparse_rl",
+              "rkv16@64/none", "rkv16@64/sparse_rl")
+#: seeds the claims' arms run over with ``--full`` (the other arms: ``DemoConfig.seeds``):
+#: 16, so that the report can give each deciding verdict on seeds 0-7, on 8-15 and pooled
+FULL_CLAIM_SEEDS = tuple(range(16))
+#: the R-KV sampler's ``policy_kwargs``: `RKV`'s defaults, which are R-KV's authors' scoring
+#: (``scoring="r_kv"``, window 8, kernel 7, mix 0.1, threshold 0.5, no sink), but ``buffer=0``
+#: so that it compresses at every step past the budget like the StreamingLLM arms (R-KV's
+#: buffer of 128 would never compress a row of 16 + 64 tokens)
+RKV_KWARGS = {"buffer": 0}
 
 
 @dataclass(frozen=True)
 class DemoConfig:
     """Sizes of a demo run: the default is one seed (``sparsecorr demo``); ``full()`` runs the
-    arms the claims rest on (`CLAIM_ARMS`) over 8 seeds and the others over 3 (``--full``);
+    arms the claims rest on (`CLAIM_ARMS`) over 16 seeds and the others over 3 (``--full``);
     ``quick()`` is the smoke test (3 steps of 2 prompts x 4 rollouts, one seed).
 
     The samplers crossed with `CORRECTIONS` are StreamingLLM (``sink=1``) at the aggressive
@@ -93,6 +102,10 @@ class DemoConfig:
     #: None: not run
     long_tokens: int | None = 64
     long_budgets: tuple[int, ...] = (16,)
+    #: R-KV (`RKV`, its authors' scoring, `RKV_KWARGS`) at these budgets on the long responses,
+    #: crossed with the correction (``rkv<budget>@<long_tokens>``): what the correction buys
+    #: under the compression Sparse-RL trains with
+    long_rkv_budgets: tuple[int, ...] = (16,)
     #: the schedule's threshold on the acceptance tail. Sparrow's 0.86 keeps the later context
     #: bins dense here: this tiny model's distribution (not its answer) leans on far tokens, so
     #: the tail at budget 16-24 is 0.55-0.8 while budget 16 already answers (measured on the
@@ -121,7 +134,10 @@ class DemoConfig:
 
     @classmethod
     def full(cls) -> DemoConfig:
-        return cls(seeds=(0, 1, 2), claim_arms=CLAIM_ARMS, claim_seeds=FULL_CLAIM_SEEDS)
+        # long responses also at StreamingLLM 12 (below the task's period), over 3 seeds: where
+        # the uncorrected long-response arm falls below dense@64 when 16 does not measurably
+        return cls(seeds=(0, 1, 2), claim_arms=CLAIM_ARMS, claim_seeds=FULL_CLAIM_SEEDS,
+                   long_budgets=(12, 16))
 
     def seeds_of(self, arm: str) -> tuple[int, ...]:
         """The seeds ``arm`` runs over: ``claim_seeds`` for one of ``claim_arms``, else
@@ -163,6 +179,10 @@ def demo_arms(cfg: DemoConfig, schedule_path: Path, *, sink: int) -> list[Arm]:
         for b in cfg.long_budgets:
             arms += [Arm(f"b{b}@{t}/{c}", {"correction": c, **sparse, "budget": b}, grpo,
                          f"b{b}@{t}", c, t) for c in CORRECTIONS]
+        rkv = {"policy": "rkv", "policy_kwargs": dict(RKV_KWARGS)}
+        for b in cfg.long_rkv_budgets:
+            arms += [Arm(f"rkv{b}@{t}/{c}", {"correction": c, **rkv, "budget": b}, grpo,
+                         f"rkv{b}@{t}", c, t) for c in CORRECTIONS]
     return arms
 
 
