@@ -37,20 +37,29 @@ def choose_backend(name: str, *, device: torch.device | str, flashinfer_ok: bool
     return "flashinfer" if torch.device(device).type == "cuda" and flashinfer_ok else "torch"
 
 
+def _unsupported(dtype: torch.dtype, head_dim: int | None, group_size: int | None, sinks: bool,
+                 softcap: float | None) -> str | None:
+    """Why FlashInfer's kernels cannot run this model (``None``: they can); without ``head_dim``
+    the shape is not checked."""
+    from .flashinfer import dtype_unsupported, features_unsupported, flashinfer_supports
+
+    if head_dim is None:  # no model shape given: the dtype and the attention features decide
+        return dtype_unsupported(dtype) or features_unsupported(sinks=sinks, softcap=softcap)
+    return flashinfer_supports(head_dim=head_dim, dtype=dtype, group_size=1 if group_size is None else group_size,
+                               sinks=sinks, softcap=softcap)
+
+
 def _auto(device: torch.device, dtype: torch.dtype, head_dim: int | None,
-          group_size: int | None) -> tuple[AttentionBackend, str]:
+          group_size: int | None, sinks: bool, softcap: float | None) -> tuple[AttentionBackend, str]:
     """``"auto"``: FlashInfer where it can run and supports the model, else the torch backend
     with the reason in its label (bare ``"torch"`` off CUDA, where nothing needs saying)."""
-    from .flashinfer import dtype_unsupported, flashinfer_status, flashinfer_supports
+    from .flashinfer import flashinfer_status
 
     if device.type != "cuda":
         return TorchBackend(), "torch"
     if not flashinfer_status()[0]:
         return TorchBackend(), "torch (auto: flashinfer-python is not installed)"
-    if head_dim is None:  # no model shape given: the dtype alone decides
-        why = dtype_unsupported(dtype)
-    else:
-        why = flashinfer_supports(head_dim=head_dim, dtype=dtype, group_size=1 if group_size is None else group_size)
+    why = _unsupported(dtype, head_dim, group_size, sinks, softcap)
     if why is not None:
         return TorchBackend(), f"torch (auto: {why})"
     from .flashinfer import flashinfer_backend
@@ -67,9 +76,9 @@ def _auto(device: torch.device, dtype: torch.dtype, head_dim: int | None,
 
 
 def _flashinfer(device: torch.device, dtype: torch.dtype, head_dim: int | None,
-                group_size: int | None) -> AttentionBackend:
+                group_size: int | None, sinks: bool, softcap: float | None) -> AttentionBackend:
     """``"flashinfer"`` asked for by name: never a silent fallback."""
-    from .flashinfer import BackendUnavailableError, flashinfer_backend, flashinfer_supports
+    from .flashinfer import BackendUnavailableError, flashinfer_backend
 
     backend = flashinfer_backend()  # raises when CUDA or the package is missing
     if device.type != "cuda":
@@ -78,22 +87,23 @@ def _flashinfer(device: torch.device, dtype: torch.dtype, head_dim: int | None,
     if dtype not in (torch.bfloat16, torch.float16):
         raise BackendUnavailableError(f"backend='flashinfer': its kernels take bf16 or fp16, the model is "
                                       f"{dtype}; use backend='torch'")
-    if head_dim is not None:
-        why = flashinfer_supports(head_dim=head_dim, dtype=dtype, group_size=1 if group_size is None else group_size)
-        if why is not None:
-            raise ValueError(f"backend='flashinfer': {why}; use backend='torch' (or 'auto')")
+    why = _unsupported(dtype, head_dim, group_size, sinks, softcap)
+    if why is not None:
+        raise ValueError(f"backend='flashinfer': {why}; use backend='torch' (or 'auto')")
     return backend
 
 
 def select_backend(name: str | AttentionBackend = "auto", *, device: torch.device | str = "cpu",
                    dtype: torch.dtype = torch.bfloat16, head_dim: int | None = None,
-                   group_size: int | None = None) -> tuple[AttentionBackend, str]:
+                   group_size: int | None = None, sinks: bool = False,
+                   softcap: float | None = None) -> tuple[AttentionBackend, str]:
     """A backend for a model on ``device`` and the label ``generate`` records in
     ``RolloutBatch.meta["backend"]``.
 
     ``"auto"`` picks ``"flashinfer"`` on CUDA where ``flashinfer-python`` is installed and its
     kernels support the model (`flashinfer_supports`: ``head_dim`` in 64 / 128 / 256, bf16 or
-    fp16, any GQA ``group_size``), else ``"torch"``; on CUDA the label then says why, e.g.
+    fp16, any GQA ``group_size``; learned ``sinks`` (GPT-OSS) and a positive ``softcap`` (Gemma 2)
+    are computed on both paths, so they do not send ``"auto"`` to torch), else ``"torch"``; on CUDA the label then says why, e.g.
     ``"torch (auto: FlashInfer does not support head_dim 16 (its kernels are built for 64, 128,
     256))"`` (off CUDA it is the bare ``"torch"``). If FlashInfer is installed but cannot be
     imported (a broken or partial install), ``"auto"`` falls back to ``"torch"`` and warns once,
@@ -108,18 +118,20 @@ def select_backend(name: str | AttentionBackend = "auto", *, device: torch.devic
     dev = torch.device(device)
     resolved = choose_backend(name, device=dev, flashinfer_ok=True)  # checks the name
     if name == "auto":
-        return _auto(dev, dtype, head_dim, group_size)
+        return _auto(dev, dtype, head_dim, group_size, sinks, softcap)
     if resolved == "torch":
         return TorchBackend(), "torch"
     if resolved == "reference":
         return ReferenceBackend(), "reference"
-    backend = _flashinfer(dev, dtype, head_dim, group_size)
+    backend = _flashinfer(dev, dtype, head_dim, group_size, sinks, softcap)
     return backend, backend.name
 
 
 def get_backend(name: str | AttentionBackend = "auto", *, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.bfloat16, head_dim: int | None = None,
-                group_size: int | None = None) -> AttentionBackend:
+                group_size: int | None = None, sinks: bool = False,
+                softcap: float | None = None) -> AttentionBackend:
     """A backend by name for a model on ``device`` (an object with ``attend`` is returned as is):
     `select_backend` without the label."""
-    return select_backend(name, device=device, dtype=dtype, head_dim=head_dim, group_size=group_size)[0]
+    return select_backend(name, device=device, dtype=dtype, head_dim=head_dim, group_size=group_size,
+                          sinks=sinks, softcap=softcap)[0]

@@ -32,6 +32,7 @@ __all__ = [
     "BackendUnavailableError",
     "FlashInferDecode",
     "dtype_unsupported",
+    "features_unsupported",
     "flashinfer_backend",
     "flashinfer_status",
     "flashinfer_supports",
@@ -100,14 +101,20 @@ def dtype_unsupported(dtype: torch.dtype) -> str | None:
     return f"FlashInfer does not support dtype {dtype} (its kernels take torch.bfloat16 or torch.float16)"
 
 
-def flashinfer_supports(*, head_dim: int, dtype: torch.dtype, group_size: int) -> str | None:
+def flashinfer_supports(*, head_dim: int, dtype: torch.dtype, group_size: int, sinks: bool = False,
+                        softcap: float | None = None) -> str | None:
     """Whether FlashInfer's paged decode kernels are built for a model of this shape: ``None`` if
     they are, else the reason, naming the field, what FlashInfer takes and what was given.
 
     ``head_dim`` must be one of `FLASHINFER_HEAD_DIMS`, ``dtype`` one of `FLASHINFER_DTYPES`;
     any positive GQA ``group_size`` runs (sizes without a CUDA-core decode kernel take the
-    tensor-core one, `needs_tensor_cores`). A pure check of the request: it imports nothing and
-    does not look at the device.
+    tensor-core one, `needs_tensor_cores`). Learned ``sinks`` (GPT-OSS) run through the LSE the
+    kernels return (`sparsecorr.decoding.backends.paged.apply_sinks`) and a positive ``softcap``
+    (Gemma 2) through their ``logits_soft_cap``, on both the CUDA-core and the tensor-core
+    kernel; prefill and teacher-forced chunks run through SDPA's backend, which computes both.
+    A ``softcap`` FlashInfer cannot take (``<= 0``, which it reads as "off"; not a finite
+    number) is refused. A pure check of the request: it imports nothing and does not look at
+    the device.
     """
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in FLASHINFER_HEAD_DIMS:
         dims = ", ".join(map(str, FLASHINFER_HEAD_DIMS))
@@ -117,6 +124,17 @@ def flashinfer_supports(*, head_dim: int, dtype: torch.dtype, group_size: int) -
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         return (f"FlashInfer does not support group_size {group_size!r} (query heads per KV head: "
                 "a positive int)")
+    return features_unsupported(sinks=sinks, softcap=softcap)
+
+
+def features_unsupported(*, sinks: bool = False, softcap: float | None = None) -> str | None:
+    """``None`` where FlashInfer's decode path computes the model's attention variants (learned
+    ``sinks`` through the LSE, a positive ``softcap`` as ``logits_soft_cap``), else the reason."""
+    if not isinstance(sinks, bool):
+        return f"FlashInfer does not support sinks={sinks!r} (whether the model has learned sinks: a bool)"
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        return f"FlashInfer does not support softcap {softcap!r} (its logits_soft_cap: a positive float)"
     return None
 
 
@@ -168,8 +186,14 @@ class FlashInferDecode:
         self.use_tensor_cores = tc
         self._fence: torch.cuda.Event | None = None  # recorded after each plan (see `plan`)
 
-    def plan(self, table: PageTable, *, dtype: torch.dtype, scale: float | None = None) -> None:
+    def plan(self, table: PageTable, *, dtype: torch.dtype, scale: float | None = None,
+             softcap: float | None = None) -> None:
         """Plan one decode step for ``table`` (call once per step; reused by every layer).
+
+        ``softcap`` is FlashInfer's ``logits_soft_cap``: its kernels compute
+        ``c * tanh(sm_scale * q.k / c)`` (``include/flashinfer/attention/variants.cuh``,
+        ``DefaultAttention``: the pre-tanh scale is ``sm_scale / logits_soft_cap``), Gemma 2's
+        soft-capping; ``None`` (FlashInfer's 0.0) plans the kernel without it.
 
         ``indptr`` and ``last_page_len`` go to FlashInfer on the host (CPU int32): it reads them
         there and copies them to the device without blocking (given device tensors, it would copy
@@ -190,13 +214,21 @@ class FlashInferDecode:
             q_data_type=dtype,
             kv_data_type=dtype,
             sm_scale=scale if scale is not None else self.head_dim**-0.5,
+            logits_soft_cap=softcap,
         )
         self._fence = torch.cuda.Event()
         self._fence.record()
 
     def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *, return_lse: bool = True):
         """Attention of ``q`` over the planned pages: ``(out, lse)`` with the LSE converted to
-        natural log, or ``out`` alone with ``return_lse=False`` (no LSE computed)."""
+        natural log, or ``out`` alone with ``return_lse=False`` (no LSE computed).
+
+        FlashInfer's LSE is base 2: its softmax state keeps ``m + log2(d)`` over logits scaled by
+        ``log2(e)`` (``include/flashinfer/attention/state.cuh``, ``get_lse``; ``variants.cuh``,
+        ``sm_scale_log2``), so it is multiplied by ``ln 2`` here. No ``sinks`` are passed to
+        FlashInfer: its FA2 decode kernels do not read them (0.7.2: only the trtllm-gen, cuDNN
+        and CuTe-DSL decode backends do); the paged backend rescales by the LSE instead
+        (`sparsecorr.decoding.backends.paged.apply_sinks`)."""
         kv = (k_pool.unsqueeze(2), v_pool.unsqueeze(2))  # NHD pages: [P, page_size, 1, D]
         if not return_lse:
             return self._wrapper.run(q, kv, return_lse=False)

@@ -9,6 +9,13 @@ number of slots) and, for a selection policy, **one** table layout for the selec
 (every sparse layer keeps the same number of pages per row), planned once; each sparse layer
 then writes its own page ids into that table's index buffer before its kernel runs.
 
+Soft-capping (Gemma 2) is planned: the kernel's ``plan`` takes ``softcap`` (FlashInfer's
+``logits_soft_cap``, \(c \tanh(\ell / c)\) on the scaled logits), so ``begin_step`` takes it too.
+Learned sinks (GPT-OSS) need no kernel support: a kernel that returns the log-sum-exp
+\(\mathrm{lse} = \log \sum_j e^{\ell_j}\) of a request's logits gives the sink-normalised output
+as a per-head rescale, \(o \cdot \sigma(\mathrm{lse} - s_h)\) (`apply_sinks`), with the LSE and the
+sink logit both in natural-log units.
+
 The kernel is pluggable: `FlashInferDecode` on a GPU, [`ReferenceDecodeKernel`][sparsecorr.decoding.backends.paged.ReferenceDecodeKernel]
 (the float32 oracle, CPU) in the CPU tests, which therefore run the same tables, plans and index
 writes the GPU path runs.
@@ -29,9 +36,27 @@ from .paging import (
     scatter_selected_pages,
     selection_offsets,
 )
-from .torch_ref import TorchBackend
+from .torch_ref import TorchBackend, check_sinks, check_softcap
 
-__all__ = ["DecodeKernel", "PagedBackend", "ReferenceDecodeKernel"]
+__all__ = ["DecodeKernel", "PagedBackend", "ReferenceDecodeKernel", "apply_sinks"]
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *, heads: int) -> torch.Tensor:
+    r"""Fold per-query-head sink logits into a paged kernel's output through its log-sum-exp.
+
+    With \(S = \sum_j e^{\ell_j} = e^{\mathrm{lse}}\), attention with a sink \(s_h\) in the
+    denominator is \(\sum_j e^{\ell_j} v_j / (S + e^{s_h}) = o \cdot S / (S + e^{s_h}) =
+    o \cdot \sigma(\mathrm{lse} - s_h)\): a per-(request, head) scale, no change to the kernel.
+    ``lse`` must be in natural-log units (FlashInfer's base-2 LSE is converted by
+    `FlashInferDecode.run`). Device ops only (no host sync), so it runs inside a CUDA graph.
+
+    Shapes:
+        out ``[R, G, D]`` with ``R = B · heads`` requests (request ``b · heads + h``, query head
+        ``h · G + g``); lse ``[R, G]``; sinks ``[heads · G]`` -> ``[R, G, D]`` float32.
+    """
+    r, g, d = out.shape
+    w = torch.sigmoid(lse.float().reshape(-1, heads, g) - sinks.float().reshape(1, heads, g))
+    return (out.float().reshape(-1, heads, g, d) * w[..., None]).reshape(r, g, d)
 
 
 class DecodeKernel(Protocol):
@@ -43,7 +68,8 @@ class DecodeKernel(Protocol):
     has no backward (FlashInfer's kernels have none): a grad-enabled forward must not use it.
     """
 
-    def plan(self, table: PageTable, *, dtype: torch.dtype, scale: float | None = None) -> None: ...
+    def plan(self, table: PageTable, *, dtype: torch.dtype, scale: float | None = None,
+             softcap: float | None = None) -> None: ...
 
     def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *,
             return_lse: bool = True): ...
@@ -60,10 +86,12 @@ class ReferenceDecodeKernel:
                  **_: object) -> None:
         self.table: PageTable | None = None
         self.scale: float | None = None
+        self.softcap: float | None = None
         self.buffers = graph_buffers
 
-    def plan(self, table: PageTable, *, dtype: torch.dtype, scale: float | None = None) -> None:
-        self.scale = scale
+    def plan(self, table: PageTable, *, dtype: torch.dtype, scale: float | None = None,
+             softcap: float | None = None) -> None:
+        self.scale, self.softcap = scale, softcap
         if self.buffers is None:
             self.table = table
             return
@@ -80,7 +108,8 @@ class ReferenceDecodeKernel:
 
     def run(self, q, k_pool, v_pool, *, return_lse: bool = True):
         with torch.no_grad():
-            out, lse = paged_attention_reference(q, k_pool, v_pool, self.table, scale=self.scale)
+            out, lse = paged_attention_reference(q, k_pool, v_pool, self.table, scale=self.scale,
+                                                 softcap=self.softcap)
         return (out, lse) if return_lse else out
 
 
@@ -99,6 +128,7 @@ class PagedBackend:
         self.name = name
         self._factory = kernel_factory
         self._chunks = TorchBackend()
+        self._softcap: float | None = None  # the model's soft-cap, as last planned
         self.reset_graph()
 
     def reset_graph(self) -> None:
@@ -110,9 +140,15 @@ class PagedBackend:
         self._offsets: SelectionOffsets | None = None  # the step's write positions
         self._static_offsets: SelectionOffsets | None = None  # their fixed buffers (graph mode)
         self._graph = False
+        self._plans: list[tuple[DecodeKernel, PageTable, torch.dtype, float]] = []  # this step's plans
 
-    def attend(self, query, key, value, allowed, *, scaling):
-        return self._chunks.attend(query, key, value, allowed, scaling=scaling)
+    def attend(self, query, key, value, allowed, *, scaling, softcap=None, sinks=None):
+        return self._chunks.attend(query, key, value, allowed, scaling=scaling, softcap=softcap, sinks=sinks)
+
+    def _plan(self, kernel: DecodeKernel, table: PageTable, *, dtype: torch.dtype, scale: float) -> None:
+        cap = {} if self._softcap is None else {"softcap": self._softcap}  # kernels without soft-cap keep working
+        kernel.plan(table, dtype=dtype, scale=scale, **cap)
+        self._plans.append((kernel, table, dtype, scale))
 
     def enable_graph(self, *, batch: int, heads: int, pages_per_row: int, keep_cap: int, group: int,
                      head_dim: int, device: torch.device) -> None:
@@ -135,25 +171,32 @@ class PagedBackend:
 
     def begin_step(self, *, lengths: torch.Tensor, keep: torch.Tensor | None, heads: int,
                    group: int, head_dim: int, pages_per_row: int, page_size: int,
-                   dtype: torch.dtype, scale: float, device: torch.device, k: int = 0) -> None:
+                   dtype: torch.dtype, scale: float, device: torch.device, k: int = 0,
+                   softcap: float | None = None) -> None:
         """Plan one decode step (host work; no per-layer planning, no blocking copy: the kernel
         gets ``indptr`` / ``last_page_len`` on the host, the rest moves with non-blocking copies).
         For a selection (``keep`` given) the CSR write positions of every sparse layer's ``k``
         selected pages per row are built here too, once per step, on the host
         ([`selection_offsets`][sparsecorr.decoding.backends.paging.selection_offsets]; in graph
         mode into fixed buffers), and each layer's `decode` only scatters its page ids.
+        ``softcap`` (the model's attention logit soft-cap, or None) is planned into the kernels;
+        without it the step is planned with the soft-cap the last `decode` asked for.
 
         Shapes:
             lengths: ``[B]`` CPU, slots each row attends after this step's write; keep: ``[B]``
             CPU pages each sparse layer keeps per row (selection policies) or None; ``k``: entries
             per row of each layer's selection (``>= keep.max()``; default ``keep.max()``).
         """
+        if softcap is not None:
+            check_softcap(softcap)
+            self._softcap = softcap
+        self._plans = []
         if self._dense is None:
             self._dense = self._factory(device=device, group_size=group, head_dim=head_dim)
         geo = dict(heads=heads, pages_per_row=pages_per_row, page_size=page_size)
         self._pages_per_row = pages_per_row
         table = dense_page_table(lengths, device=device, **geo)
-        self._dense.plan(table, dtype=dtype, scale=scale)
+        self._plan(self._dense, table, dtype=dtype, scale=scale)
         if keep is None:
             return
         if self._sparse is None:  # only selection policies plan a second (sparse) table
@@ -175,27 +218,51 @@ class PagedBackend:
             offsets = selection_offsets(indptr, k=k, pages_per_row=pages_per_row, dump=nnz)
             self._offsets = SelectionOffsets(pos=offsets.pos.to(device, non_blocking=True),
                                              base=offsets.base.to(device, non_blocking=True))
-        self._sparse.plan(PageTable(indptr=indptr, indices=self._buffer[:nnz],
-                                    last_page_len=table.last_page_len, page_size=page_size),
-                          dtype=dtype, scale=scale)
+        self._plan(self._sparse, PageTable(indptr=indptr, indices=self._buffer[:nnz],
+                                           last_page_len=table.last_page_len, page_size=page_size),
+                   dtype=dtype, scale=scale)
+
+    def _replan(self, softcap: float | None) -> None:
+        """A `decode` asked for another soft-cap than the step was planned with: plan the step's
+        tables again with it (eager only: a captured step's plan is fixed) and keep it for the
+        next steps. Host work once, on the first decode of a run whose caller did not pass the
+        soft-cap to `begin_step`."""
+        if self._graph:
+            raise ValueError(f"softcap: this CUDA-graph step was planned with softcap={self._softcap!r} and a "
+                             f"layer asked for {softcap!r}; pass the model's softcap to begin_step")
+        self._softcap = softcap
+        plans, self._plans = self._plans, []
+        for kernel, table, dtype, scale in plans:
+            self._plan(kernel, table, dtype=dtype, scale=scale)
 
     def decode(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *,
-               selected: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               selected: tuple[torch.Tensor, torch.Tensor] | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One layer's decode attention (no backward: the engine never routes a grad-enabled
-        forward here).
+        forward here). ``softcap`` must be what the step was planned with (else the step is
+        planned again, eagerly: `_replan`); ``sinks`` (per query head, natural-log units) asks the
+        kernel for its LSE and rescales the output (`apply_sinks`).
 
         Shapes:
             query ``[B, H_q, 1, D]``; k_pool, v_pool ``[B, H_kv, C, D]`` (the whole pool);
-            selected: pages ``[B, H_kv, K]`` ascending and ok ``[B, H_kv, K]`` -> ``[B, H_q, 1, D]``.
+            selected: pages ``[B, H_kv, K]`` ascending and ok ``[B, H_kv, K]``; sinks ``[H_q]``
+            -> ``[B, H_q, 1, D]``.
         """
         b, hq, _, d = query.shape
         h = k_pool.shape[1]
+        if softcap != self._softcap:
+            check_softcap(softcap)
+            self._replan(softcap)
+        check_sinks(sinks, hq)
         kernel = self._dense
         if selected is not None:
             scatter_selected_pages(self._buffer, self._indptr, *selected, pages_per_row=self._pages_per_row,
                                    offsets=self._offsets)
             kernel = self._sparse
         ps = k_pool.shape[2] // self._pages_per_row
-        out = kernel.run(query.reshape(b * h, hq // h, d), k_pool.reshape(-1, ps, d),
-                         v_pool.reshape(-1, ps, d), return_lse=False)
+        args = (query.reshape(b * h, hq // h, d), k_pool.reshape(-1, ps, d), v_pool.reshape(-1, ps, d))
+        if sinks is None:
+            out = kernel.run(*args, return_lse=False)
+        else:
+            out = apply_sinks(*kernel.run(*args, return_lse=True), sinks, heads=h)
         return out.to(query.dtype).reshape(b, hq, 1, d)

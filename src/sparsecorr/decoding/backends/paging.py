@@ -242,13 +242,15 @@ def paged_attention_reference(
     table: PageTable,
     *,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Decode attention read through a page table, in float32 (the oracle of the GPU kernel).
 
-    For request r with attended tokens \(j \in J_r\):
-    \(o_r = \sum_{j} \mathrm{softmax}_j(s\, q_r \cdot k_j)\, v_j\) and
-    \(\mathrm{lse}_r = \log \sum_j e^{s\, q_r \cdot k_j}\) (natural log; FlashInfer reports
-    base 2, convert with \(\ln 2\)).
+    For request r with attended tokens \(j \in J_r\) and logits \(\ell_j = s\, q_r \cdot k_j\)
+    (soft-capped to \(c \tanh(\ell_j / c)\) with ``softcap`` \(c\), as FlashInfer's
+    ``logits_soft_cap``): \(o_r = \sum_{j} \mathrm{softmax}_j(\ell)\, v_j\) and
+    \(\mathrm{lse}_r = \log \sum_j e^{\ell_j}\) (natural log; FlashInfer reports base 2,
+    convert with \(\ln 2\)).
 
     Shapes:
         q: ``[R, G, D]`` (G query heads per request); k_pool, v_pool: ``[P, page_size, D]``
@@ -266,6 +268,8 @@ def paged_attention_reference(
         v = v_pool[pages].float().reshape(-1, d)
         n = (pages.numel() - 1) * ps + int(table.last_page_len[i])
         logits = scale * q[i].float() @ k[:n].T  # [G, n]
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
         lse[i] = torch.logsumexp(logits, dim=-1)
         out[i] = torch.softmax(logits, dim=-1) @ v[:n]
     return out, lse
