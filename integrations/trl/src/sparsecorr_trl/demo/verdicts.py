@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from statistics import mean, stdev
 
+from .regimes import FAIL_FRACTION, REGIMES, dense_of, regime, regime_text, why_not
+
 __all__ = ["CLEAR_GAIN", "FAIL_FRACTION", "KV_FRACTION", "ONE_SEED_MARGIN", "REGIMES", "claims",
            "collapse_interval", "correction_effects", "dense_of", "distill_effect", "interval",
            "pm", "spread"]
@@ -31,16 +33,6 @@ CLEAR_GAIN = 0.05
 ONE_SEED_MARGIN = 0.02
 #: the scheduled arm's peak KV must be at most this fraction of dense's
 KV_FRACTION = 0.5
-#: a sampler whose sampled reward at step 1 (same shipped model for every arm) is below this
-#: fraction of dense's fails outright
-FAIL_FRACTION = 0.5
-#: what a sampler's pair of arms shows (see `correction_effects`): uncorrected not measurably
-#: below dense (harmless); uncorrected below, corrected not (rescued, if the seeds resolve their
-#: difference); both below (the sampler fails outright when its sampled reward at step 1 is
-#: below `FAIL_FRACTION` of dense's)
-REGIMES = ("harmless", "rescued", "rescued, not resolved", "rescued, within the one-seed margin",
-           "fails outright", "both below dense")
-#: t_{0.975, df} for df = 1..30 (larger df: 1.96)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
          2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -103,11 +95,6 @@ def _paired(by: dict, a: str, b: str, key: str, op) -> list[float]:
     return [op(pa[s][key], pb[s][key]) for s in pa if s in pb]
 
 
-def dense_of(sampler: str) -> str:
-    """The dense arm a sampler is compared with: ``dense``, or ``dense@T`` for a sampler of
-    the long-response arms (``b16@64``)."""
-    return f"dense@{sampler.split('@', 1)[1]}" if "@" in sampler else "dense"
-
 
 def _vs_dense(by: dict, arm: str) -> str:
     """'below' / 'above' its dense arm by more than the two arms' spread, else 'within', on
@@ -121,49 +108,6 @@ def _vs_dense(by: dict, arm: str) -> str:
     return "below" if diff < -tol else "above" if diff > tol else "within"
 
 
-def _fails(by: dict, unc: dict) -> bool:
-    return unc["reward_first"] < FAIL_FRACTION * by[dense_of(unc["sampler"])]["reward_first"]
-
-
-def _regime(by: dict, unc: dict, cor_vs: str, unc_vs: str, resolved: int, one_seed: bool) -> str:
-    if unc_vs != "below":
-        return "harmless"
-    if cor_vs != "below":
-        return ("rescued" if resolved > 0 else "rescued, within the one-seed margin" if one_seed
-                else "rescued, not resolved")
-    return "fails outright" if _fails(by, unc) else "both below dense"
-
-
-def _regime_text(regime: str, by: dict, unc: dict, *, one_seed: bool = False) -> str:
-    d = by[dense_of(unc["sampler"])]
-    mm = (f"acceptance 5% tail {unc['p_accept']:.3f}, band rejects "
-          f"{100 * unc['p_rejected']:.1f}% of tokens, {100 * unc['p_vetoed']:.1f}% of sequences "
-          f"vetoed, ESS {unc['p_ess']:.3f}")
-    return {
-        "fails outright": f"both end below {dense_of(unc['sampler'])}, and the sampler fails "
-                          f"outright: its "
-                          f"sampled reward at step 1 is {unc['reward_first']:.3f}, below "
-                          f"{FAIL_FRACTION} of dense's {d['reward_first']:.3f} on the same "
-                          f"model, so its rollouts rarely hold the answer, and a correction can "
-                          f"reweight or drop them but not supply it ({mm})",
-        "harmless": f"uncorrected training is not measurably below "
-                    f"{dense_of(unc['sampler'])}: this sampler's "
-                    f"mismatch ({mm}) did not bias training enough to show",
-        "rescued": f"uncorrected training ends below {dense_of(unc['sampler'])}, corrected "
-                   f"training does not, and "
-                   + ("the difference exceeds the one-seed margin (one seed decides nothing)"
-                      if one_seed else "the seeds resolve the difference")
-                   + f": the regime Sparse-RL describes ({mm})",
-        "rescued, not resolved": f"uncorrected training ends below {dense_of(unc['sampler'])} "
-                                 f"and corrected training does not, but the seeds do not "
-                                 f"resolve their difference ({mm})",
-        "rescued, within the one-seed margin": f"uncorrected training ends below "
-                                               f"{dense_of(unc['sampler'])} and corrected "
-                                               f"training does not, but their difference is "
-                                               f"within the one-seed margin ({mm})",
-        "both below dense": f"both end below {dense_of(unc['sampler'])}: the correction does "
-                            f"not bring this sampler to that level ({mm})",
-    }[regime]
 
 
 def correction_effects(by: dict[str, dict]) -> list[dict]:
@@ -181,7 +125,7 @@ def correction_effects(by: dict[str, dict]) -> list[dict]:
         m, sd, lo, hi = interval(_paired(by, ca, ua, "dense_after", lambda a, b: a - b))
         res, one = _resolved(m, lo, hi), lo != lo
         unc_vs, cor_vs = _vs_dense(by, ua), _vs_dense(by, ca)
-        regime = _regime(by, unc, cor_vs, unc_vs, res, one)
+        regime_ = regime(by, unc, cor_vs, unc_vs, res, one)
         n = len(_paired(by, ca, ua, "dense_after", lambda a, b: a))
         diff_text = (f"{pm(m, sd, signed=True)} over {n} seeds, 95% interval "
                      f"[{lo:+.3f}, {hi:+.3f}], " + ("resolved" if res else "not resolved")
@@ -194,8 +138,8 @@ def correction_effects(by: dict[str, dict]) -> list[dict]:
                     "cor": cor["dense_after"], "cor_sd": cor["dense_after_sd"],
                     "diff": m, "diff_sd": sd, "lo": lo, "hi": hi, "resolved": res,
                     "resolved_text": _resolved_text(res, one), "diff_text": diff_text,
-                    "unc_vs_dense": unc_vs, "cor_vs_dense": cor_vs, "regime": regime,
-                    "regime_text": _regime_text(regime, by, unc, one_seed=one)})
+                    "unc_vs_dense": unc_vs, "cor_vs_dense": cor_vs, "regime": regime_,
+                    "regime_text": regime_text(regime_, by, unc, one_seed=one)})
     return out
 
 
@@ -302,47 +246,6 @@ def _uncorrected_below(by: dict, aggressive: str) -> tuple[str, bool | None, str
                f"gap is not more than {_tol_text(tol, from_seeds)})."))
 
 
-def _budget(sampler: str) -> int | None:
-    """The budget of a StreamingLLM sampler label ``b<budget>``; None for any other."""
-    return int(sampler[1:]) if sampler[:1] == "b" and sampler[1:].isdigit() else None
-
-
-def _why_not(by: dict, effects: list[dict], period: int) -> str:
-    """Which property of the task keeps the regime from showing, from the regimes found."""
-    fails = [e for e in effects if e["regime"] == "fails outright"]
-    harmless = [e for e in effects if e["regime"] == "harmless"]
-    parts = []
-    if fails:
-        names = ", ".join(e["sampler"] for e in fails)
-        worst = max(by[e["unc_arm"]]["reward_first"] for e in fails)
-        short = [e["sampler"] for e in fails if (_budget(e["sampler"]) or period) < period]
-        dense = min(by[dense_of(e["sampler"])]["reward_first"] for e in fails)
-        parts.append(
-            f"{names} fail{'s' if len(fails) == 1 else ''} outright (sampled reward at step 1 at "
-            f"most {worst:.3f} against dense's {dense:.3f})"
-            + (f"; {', '.join(short)} {'is a' if len(short) == 1 else 'are'} StreamingLLM "
-               f"budget{'' if len(short) == 1 else 's'} below the task's period: every answer "
-               f"token recites the token {period} positions back, which such a budget has "
-               f"evicted, so the rollouts lack the answer whether or not they are corrected"
-               if short else ""))
-    if harmless:
-        names = ", ".join(e["sampler"] for e in harmless)
-        rej = max(by[e["unc_arm"]]["p_rejected"] for e in harmless)
-        acc = min(by[e["unc_arm"]]["p_accept"] for e in harmless)
-        parts.append(
-            f"{names} train{'s' if len(harmless) == 1 else ''} at dense's level without the "
-            f"correction, although sparse_rl()'s band would reject up to {100 * rej:.1f}% of "
-            f"the tokens and the acceptance tail falls to {acc:.3f}: at this scale (short "
-            f"responses, a 64-word vocabulary, few steps) that mismatch does not bias "
-            f"uncorrected training measurably")
-    if fails and harmless and len(fails) + len(harmless) == len(effects):
-        parts.append("so every sampler here either loses the answer or carries a mismatch that "
-                     "does no measurable harm, and none sits between the two")
-    if parts:
-        return "; ".join(parts)
-    one = all(e["lo"] != e["lo"] for e in effects)
-    return ("with one seed, no such difference is beyond the fixed margin" if one else
-            "the seeds do not resolve the differences")
 
 
 def collapse_interval(by: dict, e: dict) -> tuple[float, float, float, float]:
@@ -403,7 +306,7 @@ def _correction_rescues(by: dict, period: int) -> tuple[str, bool | None, str]:
             "below dense, corrected not, and the difference "
             + (f"beyond a fixed margin of {ONE_SEED_MARGIN}, one seed standing in for the "
                f"interval" if one else "resolved by the seeds")
-            + f"). Per sampler: {per}. What prevents it here: {_why_not(by, effects, period)}.")
+            + f"). Per sampler: {per}. What prevents it here: {why_not(by, effects, period)}.")
 
 
 def _distill_raises(by: dict, tau: float) -> tuple[str, bool | None, str]:
