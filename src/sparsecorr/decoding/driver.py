@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,7 +40,7 @@ import torch
 
 from .requests import RequestOutput, RequestParams
 
-__all__ = ["DriverRequest", "EngineDriver", "aborted_output"]
+__all__ = ["DriverRequest", "EngineDriver", "aborted_output", "copy_weights"]
 
 logger = logging.getLogger("sparsecorr.decoding")
 
@@ -313,3 +313,25 @@ class EngineDriver:
         self._sched.close()
         self._sched = None
         self._closed = True
+
+
+def copy_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy full tensors into ``model``'s parameters and buffers by name, in place (cast to each
+    target's dtype and device). A DTensor is gathered first."""
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    copied = 0
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"named_tensors: {name!r} is not a parameter or buffer of the inference "
+                                 f"copy ({type(model).__name__})")
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"named_tensors[{name!r}]: expected shape {tuple(target.shape)}, "
+                                 f"got {tuple(tensor.shape)}")
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            copied += 1
+    return copied

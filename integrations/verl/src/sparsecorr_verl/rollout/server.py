@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from .driver import EngineDriver
+from sparsecorr.decoding.driver import EngineDriver, copy_weights
+
 from .options import EngineOptions, engine_options
 from .requests import parse_request
 
@@ -354,28 +355,6 @@ class SparseCorrServer:
         if self._driver is None:
             return base
         return {**base, **await self._driver.stats()}
-
-
-def copy_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy full tensors into ``model``'s parameters and buffers by name, in place (cast to each
-    target's dtype and device). A DTensor is gathered first."""
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    targets.update(dict(model.named_buffers(remove_duplicate=False)))
-    copied = 0
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            target = targets.get(name)
-            if target is None:
-                raise ValueError(f"named_tensors: {name!r} is not a parameter or buffer of the inference "
-                                 f"copy ({type(model).__name__})")
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"named_tensors[{name!r}]: expected shape {tuple(target.shape)}, "
-                                 f"got {tuple(tensor.shape)}")
-            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-            copied += 1
-    return copied
 
 
 def _empty_device_cache(device: torch.device) -> None:
