@@ -67,13 +67,13 @@ def openrlhf_params(**kw) -> SamplingParams:
 
 
 def direct(model, prompt, *, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
-           engine: dict | None = None):
-    """One ``generate`` call on one prompt: its tokens and log-probs."""
+           engine: dict | None = None, eos: tuple[int, ...] = (2,)):
+    """One ``generate`` call on one prompt (stopping at ``eos``): its tokens and log-probs."""
     from sparsecorr.decoding import SamplerSpec, generate
 
     spec = SamplerSpec(**(ENGINE if engine is None else engine))
     out = generate(model, torch.tensor([prompt]), **spec.generate_kwargs("cpu"), max_new_tokens=max_new_tokens,
-                   temperature=temperature, logprobs_topk=0, eos_token_id=2,
+                   temperature=temperature, logprobs_topk=0, eos_token_id=list(eos),
                    generator=None if seed is None else torch.Generator().manual_seed(seed))
     n = int(out.lengths[0])
     return out.tokens[0, :n].tolist(), out.rollout_logp[0, :n].tolist()
