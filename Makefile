@@ -43,11 +43,12 @@ EDGE_DECODING := tests/unit/decoding tests/property/decoding
 EDGE_TRAINER := tests/integration/trl/test_rollout_model.py tests/integration/trl/test_fsdp.py
 EDGE_NEWEST := $(EDGE_DECODING) tests/integration/trl/test_sparse_rollouts.py \
   tests/integration/test_demo.py
-# verl 0.9.1's runtime pieces the rollout backend's tests (tests/integration/verl/test_verl_rollout_*)
-# load beside the --no-deps verl, in the verl stack's job only: Ray (verl requires ray>=2.41), and
-# cachetools / FastAPI / uvicorn, which verl's rollout modules import (a vLLM or SGLang install
-# brings them); without them those tests skip
-VERL_RUNTIME := ray==2.60.0 cachetools==8.0.2 fastapi==0.165.0 uvicorn==0.54.0
+# the runtime pieces the rollout backends' tests load beside the --no-deps peers, in the verl
+# stack's job only: Ray (verl requires ray>=2.41; OpenRLHF runs on it); cachetools / FastAPI /
+# uvicorn, which verl's rollout modules import (tests/integration/verl/test_verl_rollout_*); aiohttp
+# and pylatexenc, which OpenRLHF's agent executors import (tests/integration/openrlhf/test_rollout_*;
+# a vLLM or SGLang install brings them all); without them those tests skip
+RAY_RUNTIME := ray==2.60.0 cachetools==8.0.2 fastapi==0.165.0 uvicorn==0.54.0 aiohttp==3.14.5 pylatexenc==2.11
 # one edge job: $(call edge,VENV,TORCH,TRANSFORMERS SPEC,WHAT IT IS[,MORE SPECS]); a failure names
 # the package versions that broke us
 define edge
@@ -99,7 +100,7 @@ test-newest: $(STAMP)
 
 # the lowest torch and the lowest transformers: verl 0.9.1's stack
 test-lowest: $(STAMP)
-	$(call edge,.venv-lowest,$(TORCH_LOWEST),==$(TRANSFORMERS_LOWEST),the lowest of torch>=2.11 and transformers$(TRANSFORMERS_RANGE): verl 0.9.1's pins,$(VERL_RUNTIME))
+	$(call edge,.venv-lowest,$(TORCH_LOWEST),==$(TRANSFORMERS_LOWEST),the lowest of torch>=2.11 and transformers$(TRANSFORMERS_RANGE): verl 0.9.1's pins,$(RAY_RUNTIME))
 
 # the newest torch the stacks pin, with SGLang 0.5.23's transformers
 test-torch-newest: $(STAMP)

@@ -29,8 +29,7 @@ def word_tokenizer():
 
 def save_tiny(path: Path, *, max_position_embeddings: int = 128, seed: int = 0) -> Path:
     """The tiny Qwen3 (float32, EOS id 2) and its tokenizer as a checkpoint directory."""
-    torch.manual_seed(seed)
-    model = tiny_model("qwen3", max_position_embeddings=max_position_embeddings)
+    model = tiny_model("qwen3", max_position_embeddings=max_position_embeddings, seed=seed)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(path)
     word_tokenizer().save_pretrained(path)
