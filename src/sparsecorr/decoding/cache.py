@@ -28,7 +28,7 @@ from .hf import CacheBase, register_attention
 from .policies import KeepSet, KVPolicy, compress
 from .policies.base import hook_name
 from .policies.state import PolicyState
-from .pool import KVPool
+from .pool import KVPool, WindowRing
 
 __all__ = ["ATTN_NAME", "SparseKVCache", "Step", "active", "active_cache", "forced_keep", "load_step", "step_twin"]
 
@@ -46,7 +46,10 @@ class Step:
         goes to the scratch page); counts ``[B]`` (device): valid slots before this forward; mask
         ``[B, 1, Q, kv_len]`` or None; part: the policy's part (`PolicyState.plan`); page_plan:
         a paged step's table plan (the keywords of the backend's ``begin_step``); bias: the
-        additive masks a single-token step made (its first layers make them).
+        additive masks a single-token step made (its first layers make them); ring_slots,
+        ring_pos ``[B, Q]`` (device): the sliding-window layers' ring slots and positions
+        (`sparsecorr.decoding.pool.WindowRing.plan`), ring_mask ``[B, 1, Q, R + 1]``: made
+        from them by the step's first sliding layer, inside a captured graph too.
     """
 
     q_len: int
@@ -59,6 +62,9 @@ class Step:
     part: Any = None
     page_plan: dict | None = None
     bias: list | None = None
+    ring_slots: torch.Tensor | None = None  # [B, Q] the sliding layers' ring slots (WindowRing.plan)
+    ring_pos: torch.Tensor | None = None  # [B, Q] their ring positions (EMPTY for padding)
+    ring_mask: Any = dataclasses.field(default=None, metadata={"host": True})  # made by the first sliding layer
 
 
 def _tensor_fields(obj) -> list[str]:
@@ -90,9 +96,19 @@ class SparseKVCache(CacheBase):
     """Writes into a [`KVPool`][sparsecorr.decoding.pool.KVPool] per the engine's ``Step``; the
     policy's ``state`` (`PolicyState`) does the rest."""
 
-    def __init__(self, pool: KVPool, *, policy: KVPolicy, state: PolicyState, backend: AttentionBackend) -> None:
-        super().__init__(len(pool.k))
-        self.pool, self.policy, self.state, self.backend = pool, policy, state, backend
+    def __init__(self, pool: KVPool, *, policy: KVPolicy, state: PolicyState, backend: AttentionBackend,
+                 ring: WindowRing | None = None, sliding: tuple[int, ...] = (), softcap: float | None = None,
+                 sinks: bool = False) -> None:
+        n_full = len(pool.k)
+        super().__init__(n_full + len(sliding))
+        self.pool, self.policy, self.state, self.ring = pool, policy, state, ring
+        # model layer -> (sliding?, index in the ring or in the pool); the policy sees pool layers only
+        full = [i for i in range(self.num_layers) if i not in sliding]
+        self.where = {i: (False, j) for j, i in enumerate(full)} | {i: (True, j) for j, i in enumerate(sliding)}
+        self.last_full = n_full - 1
+        self.softcap = softcap
+        # a model with soft-capping or sinks: every attend/decode the backend gets carries them
+        self.backend = backend if softcap is None and not sinks else _Features(backend, softcap)
         self.step: Step | None = None
 
     # -- the cache protocol of hf.CacheBase ---------------------------------------------------
@@ -100,13 +116,26 @@ class SparseKVCache(CacheBase):
         if torch.compiler.is_compiling():  # traced: sparsecorr::attend writes (decoding.fused)
             return key, value
         st, pool = self.step, self.pool
-        if layer_idx == 0 and pool.pos is not None:  # every layer's positions, once per step
+        sliding, i = self.where[layer_idx]
+        if sliding:
+            return self._write_ring(i, key, value, st)
+        if i == 0 and pool.pos is not None:  # every layer's positions, once per step
             pool.write_positions(st.slots, st.positions)
-        pool.write(layer_idx, key, value, st.slots)
-        self.state.written(layer_idx, key, st)
-        if layer_idx == self.num_layers - 1:  # every layer's new keys, once per step
+        pool.write(i, key, value, st.slots)
+        self.state.written(i, key, st)
+        if i == self.last_full:  # every layer's new keys, once per step
             self.state.all_written(st)
-        return pool.k[layer_idx][:, :, :st.kv_len], pool.v[layer_idx][:, :, :st.kv_len]
+        return pool.k[i][:, :, :st.kv_len], pool.v[i][:, :, :st.kv_len]
+
+    def _write_ring(self, i: int, key: torch.Tensor, value: torch.Tensor, st: Step):
+        """A sliding layer's write into its ring; the step's first sliding layer records the
+        chunk's ring positions and makes the window mask every sliding layer reads."""
+        ring = self.ring
+        if i == 0:
+            ring.write_positions(st.ring_slots, st.ring_pos)
+            st.ring_mask = ring.mask(st.positions)
+        ring.write(i, key, value, st.ring_slots)
+        return ring.k[i], ring.v[i]
 
     def capacity_error(self, needed: int, where: str):
         """Raise the ``ValueError`` of a pool the policy's `KVPolicy.capacity` sized too small
@@ -127,12 +156,22 @@ class SparseKVCache(CacheBase):
 
     def allocated_bytes(self) -> int:
         """Bytes of the pool and of every buffer the policy keeps beside it."""
-        return self.pool.allocated_bytes() + sum(t.numel() * t.element_size() for t in self.state.buffers())
+        ring = 0 if self.ring is None else self.ring.allocated_bytes()
+        return self.pool.allocated_bytes() + ring + sum(t.numel() * t.element_size() for t in self.state.buffers())
 
     # -- engine side --------------------------------------------------------------------------
-    def attend(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
-        self.state.observe(layer, query, self.step)
-        return self.state.attend(self, layer, query, key, value, scaling)
+    def attend(self, layer: int, query, key, value, scaling: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Model layer ``layer``'s attention: a sliding layer over its window in the ring, a full
+        layer through the policy's state (which sees pool layer indices). ``sinks`` ``[H_q]``:
+        the module's learned sink logits, passed on with the soft cap (`_Features`)."""
+        if isinstance(self.backend, _Features):
+            self.backend.sinks = sinks
+        sliding, i = self.where[layer]
+        st = self.step
+        if sliding:
+            return self.backend.attend(query, key, value, self.step_mask(st.ring_mask, query.dtype), scaling=scaling)
+        self.state.observe(i, query, st)
+        return self.state.attend(self, i, query, key, value, scaling)
 
     def attend_dense(self, layer: int, query, key, value, scaling: float) -> torch.Tensor:
         """Attention over every valid slot: through the page tables (a paged single-token step)
@@ -174,7 +213,7 @@ class SparseKVCache(CacheBase):
             ``[B, L, H_kv, K']`` (device, -1 padded), due ``[B]`` (device bool) ->
             ``[B, L, H_kv, K]`` or None.
         """
-        pool, n = self.pool, self.num_layers
+        pool, n = self.pool, len(self.pool.k)  # the policy's (full) layers
         s, top = int(counts.max()), int(budgets.max())
         if s > pool.capacity:  # host ints, once per event (a captured step's writes are not checked)
             self.capacity_error(s, "a compression event")
@@ -251,13 +290,39 @@ def active() -> SparseKVCache:
     return cache
 
 
-def sparsecorr_attention(layer: int, query, key, value, scaling: float) -> torch.Tensor:
-    """The attention function: attention over the active cache's kept / selected slots. Traced
-    by ``torch.compile`` (the fused step), it is the opaque op ``sparsecorr::attend``
-    (`sparsecorr.decoding.fused`), which writes the K/V and attends at run time."""
+def sparsecorr_attention(layer: int, query, key, value, scaling: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention function: attention over the active cache's kept / selected slots (a
+    sliding layer: its window). Traced by ``torch.compile`` (the fused step), it is the opaque
+    op ``sparsecorr::attend`` (`sparsecorr.decoding.fused`), which writes the K/V and attends at
+    run time."""
     if torch.compiler.is_compiling():
-        return torch.ops.sparsecorr.attend(query, key, value, layer, scaling)
-    return active().attend(layer, query, key, value, scaling)
+        if sinks is None:
+            return torch.ops.sparsecorr.attend(query, key, value, layer, scaling)
+        return torch.ops.sparsecorr.attend(query, key, value, layer, scaling, sinks)
+    return active().attend(layer, query, key, value, scaling, sinks)
+
+
+class _Features:
+    """A backend seen through a model's attention features: every ``attend`` / ``decode`` call
+    (the cache's, and a policy's own, e.g. BlockTopK's selected pages) gets ``softcap=`` (the
+    config's) and ``sinks=`` (the calling layer's module parameter, set by
+    `SparseKVCache.attend` before each layer attends), each only when not None; everything else
+    is the backend's."""
+
+    def __init__(self, backend, softcap: float | None) -> None:
+        self._backend, self.softcap, self.sinks = backend, softcap, None
+
+    def _features(self) -> dict:
+        return {k: v for k, v in (("softcap", self.softcap), ("sinks", self.sinks)) if v is not None}
+
+    def attend(self, *args, **kwargs):
+        return self._backend.attend(*args, **kwargs, **self._features())
+
+    def decode(self, *args, **kwargs):
+        return self._backend.decode(*args, **kwargs, **self._features())
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
 
 
 register_attention(ATTN_NAME, sparsecorr_attention)

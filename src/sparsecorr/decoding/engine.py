@@ -28,19 +28,45 @@ from .cache import SparseKVCache, Step
 from .fused import fused_status
 from .graphs import CaptureSpec, DecodeGraphs
 from .hf import forward, model_spec
-from .policies import KVPolicy
+from .policies import Dense, KVPolicy
 from .policies.state import PlanInputs
-from .pool import KVPool
+from .pool import KVPool, WindowRing, ring_slots
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["Engine", "pool_capacity"]
+__all__ = ["Engine", "backend_features", "layer_groups", "pool_capacity"]
 
 
 def pool_capacity(policy: KVPolicy, table: torch.Tensor, *, longest: int, chunk: int) -> int:
     """Most slots a row can hold (the policy answers: `KVPolicy.capacity`)."""
     return policy.capacity(table, longest=longest, chunk=chunk)
+
+
+def backend_features(spec) -> dict:
+    """What `sparsecorr.decoding.backends.select_backend` must know of a model's attention
+    beyond its shape: ``sinks`` / ``softcap`` where the model has them (nothing otherwise)."""
+    out = {}
+    if spec.sinks:
+        out["sinks"] = True
+    if spec.softcap is not None:
+        out["softcap"] = spec.softcap
+    return out
+
+
+def layer_groups(engine: Engine) -> dict:
+    """``meta`` entries of a model with sliding-window layers (none otherwise): ``kv_layers``
+    (full and sliding layer counts, the window, the ring's slots, whether the policy ran: not
+    when every layer slides) and ``peak_kv`` (the full and sliding layers' bytes of the forward
+    that read the most; their sum is ``peak_kv_bytes``)."""
+    spec = engine.spec
+    if not spec.sliding:
+        return {}
+    full, sliding = engine.peak_kv
+    return {"kv_layers": {"full": len(spec.full), "sliding": len(spec.sliding), "window": spec.window,
+                          "ring_slots": engine.ring.slots,
+                          "policy": "on the full layers" if spec.full else "none: every layer slides (dense)"},
+            "peak_kv": {"full_bytes": full, "sliding_bytes": sliding}}
 
 
 class Engine:
@@ -58,6 +84,16 @@ class Engine:
         fused: run the captured step's model forward compiled (`sparsecorr.decoding.fused`).
         rows: the caller's row index of each engine row (CPU long ``[batch]``; default
             ``arange``), kept through `select_rows` (kept-set records are keyed by it).
+        chunk: the most tokens one forward feeds a row (prefill chunk, teacher-forcing chunk);
+            sizes a sliding-window model's ring (`sparsecorr.decoding.pool.ring_slots`; None: a
+            ring as long as the context, which never wraps).
+
+    **Layer kinds** (`sparsecorr.decoding.hf.ModelSpec`): the full-attention layers live in the
+    pool and run the policy (its state sees pool layer indices ``0 .. L_full - 1``); the
+    sliding-window layers live in a `WindowRing` of ``min(window + chunk - 1, longest)`` slots
+    and attend their window, as the model's own attention does. A model whose layers all slide
+    has nothing for a policy to bound (the window does): the engine runs ``Dense()`` on it, over
+    an empty pool.
 
     The engine owns the pool, the graphs and the backend's per-call state; `close` drops them
     all (``generate`` calls it in a ``finally``), and no reference cycle runs through it, so
@@ -66,21 +102,32 @@ class Engine:
 
     def __init__(self, model: PreTrainedModel, *, policy: KVPolicy, backend: AttentionBackend, table: torch.Tensor,
                  batch: int, capacity: int, grad: bool, cuda_graph: bool = False, fused: bool = False,
-                 rows: torch.Tensor | None = None) -> None:
+                 rows: torch.Tensor | None = None, chunk: int | None = None) -> None:
         self.spec = spec = model_spec(model)  # refuses attention variants it would get wrong
+        if not spec.full:  # every layer slides: the window bounds the cache, no policy runs
+            policy, capacity = Dense(), table.numel()
         self.model, self.policy, self.table = model, policy, table
-        self.n_layers, self.heads_q, self.heads_kv = spec.layers, spec.heads_q, spec.heads_kv
+        self.n_layers, self.heads_q, self.heads_kv = len(spec.full), spec.heads_q, spec.heads_kv
         self.head_dim = spec.head_dim
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.pool = KVPool(layers=self.n_layers, batch=batch, kv_heads=self.heads_kv, head_dim=self.head_dim,
                            capacity=capacity, page_size=policy.pool_page_size, dtype=self.dtype,
                            device=self.device, positions=policy.tracks_positions, grad=grad)
+        self.ring = None
+        if spec.sliding:
+            longest = max(table.numel() - 1, 1)
+            slots = ring_slots(spec.window, chunk=longest if chunk is None else chunk, longest=longest)
+            self.ring = WindowRing(layers=len(spec.sliding), batch=batch, kv_heads=self.heads_kv,
+                                   head_dim=self.head_dim, window=spec.window, slots=slots, dtype=self.dtype,
+                                   device=self.device, grad=grad)
         state = policy.new_state(self.pool, q_heads=self.heads_q, table=table)
-        self.cache = SparseKVCache(self.pool, policy=policy, state=state, backend=backend)
+        self.cache = SparseKVCache(self.pool, policy=policy, state=state, backend=backend, ring=self.ring,
+                                   sliding=spec.sliding, softcap=spec.softcap, sinks=spec.sinks)
         self.count = torch.zeros(batch, dtype=torch.long)  # valid slots per row (host)
         self.ctx = torch.zeros(batch, dtype=torch.long)  # tokens fed per row (host)
-        self.peak_slots = 0  # max over forwards of rows x slots read
+        self.peak_slots = 0  # max over forwards of rows x full-layer slots read
+        self.peak_kv = (0, 0)  # (full, sliding) bytes read by the forward that read the most
         self.rows = torch.arange(batch) if rows is None else rows  # the caller's row of each engine row
         self.kept_events: list | None = None  # set to [] to record every compression's kept sets
         self.forced_keep: dict | None = None  # {(row, context): positions [L, H, K]}: replay these
@@ -130,13 +177,17 @@ class Engine:
                                      decode=decode, static=static, budget_at=self.budget_at, to_dev=to_dev))
         # a paged kernel has no backward: a grad-enabled forward stays on the autograd path
         paged = (bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
-                 and not torch.is_grad_enabled())
+                 and not torch.is_grad_enabled() and self.n_layers > 0)
         needed = int((self.count + real).max())  # host ints, every path (a graph step reads kv_len = capacity)
         if needed > self.pool.capacity:  # a policy whose capacity() is too small: refused before any write
             self.cache.capacity_error(needed, "a forward")
         kv_len = self.pool.capacity if static else needed
         st = Step(q_len=q_len, kv_len=kv_len, slots=to_dev(slots), positions=to_dev(self.ctx[:, None] + i),
                   counts=to_dev(self.count), paged=paged, part=part)
+        if self.ring is not None:
+            self._check_ring(q_len)
+            ring_slots_, ring_pos = self.ring.plan(self.ctx, real, i)
+            st.ring_slots, st.ring_pos = to_dev(ring_slots_), to_dev(ring_pos)
         if paged:  # one table plan per step, shared by every layer
             keep, k = state.page_selection(part)
             st.page_plan = dict(lengths=self.count + 1, keep=keep, k=k, heads=self.heads_kv,
@@ -154,6 +205,33 @@ class Engine:
             )[:, None]
             state.derive(part)
         return st
+
+    def _check_ring(self, q_len: int) -> None:
+        """A forward of ``q_len`` tokens must fit the ring (`ring_slots`): host ints, before any write."""
+        ring, longest = self.ring, self.table.numel() - 1
+        if ring.slots < longest and q_len > ring.slots - ring.window + 1:
+            raise ValueError(f"chunk: expected at most {ring.slots - ring.window + 1} tokens per forward (the "
+                             f"sliding layers' ring of {ring.slots} slots for a window of {ring.window} was "
+                             f"sized for it), got a forward of {q_len}; pass Engine(chunk=) the largest chunk")
+
+    def _peak(self, b: int, real: torch.Tensor) -> None:
+        """Track the KV bytes a forward reads (rows x slots, every layer): the full layers' slots
+        before it plus its tokens, and the sliding layers' window union ``min(ctx + q, W + q - 1)``
+        per row (a chunk's queries read ``W - 1`` positions before their first token)."""
+        full = b * int((self.count + real).max()) * self.pool.slot_bytes()
+        self.peak_slots = max(self.peak_slots, b * int((self.count + real).max()))
+        sliding = 0
+        if self.ring is not None:
+            ring = self.ring
+            read = torch.where(real > 0, torch.minimum(self.ctx + real, ring.window + real - 1), 0)
+            sliding = b * int(read.max()) * ring.slot_bytes()
+        if full + sliding > sum(self.peak_kv):
+            self.peak_kv = (full, sliding)
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        """The most KV bytes one forward read, full and sliding layers together (`peak_kv`)."""
+        return sum(self.peak_kv)
 
     # -- device work ---------------------------------------------------------------------------
     def feed(self, ids: torch.Tensor, real: torch.Tensor, *, decode: bool, logits_to_keep,
@@ -174,7 +252,7 @@ class Engine:
             self.cache.step = st
             out = forward(self.model, input_ids=ids, position_ids=st.positions, cache=self.cache,
                           logits_to_keep=logits_to_keep, output_hidden_states=hidden)
-        self.peak_slots = max(self.peak_slots, ids.shape[0] * int((self.count + real).max()))
+        self._peak(ids.shape[0], real)
         self.count += real
         self.ctx += real
         return out
@@ -193,8 +271,30 @@ class Engine:
         kept = self.cache.compress(eff, self.count, self.ctx, forced=forced, due=self._dev(due),
                                    record=self.kept_events is not None)
         if kept is not None:  # the due rows' kept positions, keyed by (caller's row, context)
-            self.kept_events.append((self.rows[due], self.ctx[due], kept[self._dev(due.nonzero().squeeze(1))]))
+            at = due.nonzero().squeeze(1)
+            kept = kept[self._dev(at)]
+            if self.ring is not None:
+                kept = self._with_windows(kept, at)
+            self.kept_events.append((self.rows[due], self.ctx[due], kept))
         self.count = torch.minimum(self.count, eff)
+
+    def _with_windows(self, kept: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """Every model layer's kept positions at an event: the full layers' ``kept`` and, for a
+        sliding layer, the positions its ring holds inside the window of the last fed token
+        (``ctx - W <= p < ctx``; read from the ring, so a test sees what it holds).
+
+        Shapes:
+            kept ``[n, L_full, H_kv, K]``; at ``[n]`` (CPU, engine rows) -> ``[n, L, H_kv, K']``."""
+        ring, spec = self.ring, self.spec
+        pos = ring.pos[self._dev(at)]
+        inside = pos >= self._dev(self.ctx[at] - ring.window)[:, None]
+        win = torch.where(inside, pos, torch.iinfo(torch.long).max).sort(-1).values[:, :ring.window]
+        win = torch.where(win == torch.iinfo(torch.long).max, -1, win)
+        width = max(kept.shape[-1], win.shape[-1])
+        out = kept.new_full((kept.shape[0], spec.layers, kept.shape[2], width), -1)
+        out[:, list(spec.full), :, :kept.shape[-1]] = kept
+        out[:, list(spec.sliding), :, :win.shape[-1]] = win[:, None, None, :]
+        return out
 
     def _forced(self, due: torch.Tensor) -> torch.Tensor:
         """The recorded kept positions of the due rows at their context (``[B, L, H, K]``)."""
@@ -205,6 +305,8 @@ class Engine:
                 raise ValueError(f"keep_sets: no kept set recorded for row {r} at context length {c} (the "
                                  "replay must use the decode's prompts, tokens, policy, budget and prefill_chunk)")
             rows.append(table[(r, c)] if d else None)
+        if self.ring is not None:  # sets recorded for every layer: the policy's are the full layers'
+            rows = [None if t is None else t[list(self.spec.full)] for t in rows]
         shape = next(t for t in rows if t is not None).shape
         blank = torch.full(shape, -1, dtype=torch.long)
         return self._dev(torch.stack([blank if t is None else t for t in rows]))
@@ -222,6 +324,8 @@ class Engine:
         row into it (``index = [0, 1, P, 3, ...]``), so no policy needs a reset hook."""
         on_dev = index.to(self.device)
         self.pool.select_rows(on_dev)
+        if self.ring is not None:
+            self.ring.select_rows(on_dev)
         self.cache.state.select_rows(on_dev)
         self.count, self.ctx, self.rows = self.count[index], self.ctx[index], self.rows[index]
 
@@ -239,6 +343,8 @@ class Engine:
         for buf in (self.pool.k_all, self.pool.v_all, self.pool.pos_all):
             if buf is not None:
                 buf[:, dst] = buf[:, source].unsqueeze(1)
+        if self.ring is not None:
+            self.ring.reset_rows(dst, source)
         self.count, self.ctx, self.rows = self.count[index], self.ctx[index], self.rows[index]
 
     def close(self) -> None:
@@ -252,11 +358,17 @@ class Engine:
             reset = getattr(self.cache.backend, "reset_graph", None)
             if reset is not None:
                 reset()
-        self.cache = self.pool = self.capture = None
+        self.cache = self.pool = self.ring = self.capture = None
 
     def attended(self, q_len: int) -> torch.Tensor:
         """Mean KV slots attended per layer and KV head by each of the last fed queries, on the
         host (`PolicyState.attended`: every valid slot, unless the policy reads fewer). Call after
         ``feed``. Shapes: ``[B, q_len]``."""
         after = self.count[:, None] - q_len + torch.arange(1, q_len + 1)  # slots incl. the query
-        return self.cache.state.attended(after, ctx=self.ctx, budget_at=self.budget_at, layers=self.n_layers)
+        full = self.cache.state.attended(after, ctx=self.ctx, budget_at=self.budget_at, layers=self.n_layers)
+        if self.ring is None:
+            return full
+        # a sliding layer reads the last min(position + 1, W) tokens: the layers' mean
+        seen = (self.ctx[:, None] - q_len + torch.arange(1, q_len + 1)).clamp(max=self.ring.window).float()
+        n_s = len(self.spec.sliding)
+        return (full * self.n_layers + seen * n_s) / (self.n_layers + n_s)

@@ -69,23 +69,26 @@ COMPILE_OPTIONS = {"triton.cudagraphs": False}
 
 
 @torch.library.custom_op("sparsecorr::attend", mutates_args=())
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
-    """Write one layer's K/V into the active cache's pool and attend (opaque to the compiler).
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Write one layer's K/V into the active cache's pool (a sliding layer: its ring) and attend
+    (opaque to the compiler).
 
     The pool, the step and the policy state it reads and writes are not arguments: they belong
-    to the active cache (`sparsecorr.decoding.cache.active_cache`), as in the eager hook.
+    to the active cache (`sparsecorr.decoding.cache.active_cache`), as in the eager hook. The
+    layer's learned sinks (GPT-OSS) are an argument: the module's parameter, read at run time.
 
     Shapes:
-        query ``[B, Hq, Q, D]``; key, value ``[B, Hkv, Q, D]`` (this step's, after rotary) ->
-        ``[B, Hq, Q, D]`` (contiguous).
+        query ``[B, Hq, Q, D]``; key, value ``[B, Hkv, Q, D]`` (this step's, after rotary);
+        sinks ``[Hq]`` or None -> ``[B, Hq, Q, D]`` (contiguous).
     """
     cache = active()
     k, v = cache.write(layer, key, value)
-    return cache.attend(layer, query, k, v, scaling).contiguous()
+    return cache.attend(layer, query, k, v, scaling, sinks).contiguous()
 
 
 @attend.register_fake
-def _attend_fake(query, key, value, layer, scaling):
+def _attend_fake(query, key, value, layer, scaling, sinks=None):
     return query.new_empty(query.shape)
 
 

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from . import graphs
 from .backends import select_backend
 from .cache import ATTN_NAME, active_cache
-from .engine import Engine, pool_capacity
+from .engine import Engine, backend_features, layer_groups, pool_capacity
 from .hf import check_transformers, eval_modules, model_spec, sparse_attention
 from .loops import Sampling, decode_loop, forced_loop, prefill
 from .memory import check_caps
@@ -87,7 +87,7 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     b_all, t_max = ids.shape[0], max_new_tokens
     live = (lens > 0).nonzero().squeeze(1)
     back, backend_label = select_backend(backend, device=device, dtype=param.dtype, head_dim=spec.head_dim,
-                                         group_size=spec.heads_q // spec.heads_kv)
+                                         group_size=spec.heads_q // spec.heads_kv, **backend_features(spec))
     budget_table(budget, dense=policy.ignores_budget, longest=0)  # checked even for an empty batch
     base = dict(budget=budget, samp=samp, backend_name=backend_label, prefill_chunk=prefill_chunk,
                 logprobs_topk=samp.k, logprobs_topk_requested=topk_requested)
@@ -100,7 +100,8 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     chunk = prefill_chunk or int(lens.max())
     engine = Engine(model, policy=policy, backend=back, table=table, batch=live.numel(),
                     capacity=pool_capacity(policy, table, longest=longest, chunk=chunk), grad=grad,
-                    cuda_graph=cuda_graph, fused=fused, rows=live)
+                    cuda_graph=cuda_graph, fused=fused, rows=live,
+                    chunk=max(chunk, chunk_size or 1))  # the most tokens a forward feeds (the ring's size)
     engine.kept_events = [] if record_keep else None
     engine.forced_keep = None if keep_sets is None else keep_sets.lookup()
     bar = tqdm(total=t_max, disable=not progress, desc=f"decode {policy.name}")
@@ -166,11 +167,11 @@ def _engine_info(engine) -> dict:
     """What ``meta`` records about the engine (read before it is closed)."""
     g = engine.graphs
     graph, fused = _graph_status(g)
-    return {"peak_kv_bytes": engine.peak_slots * engine.pool.slot_bytes(),
+    return {"peak_kv_bytes": engine.peak_kv_bytes, **layer_groups(engine),
             "kv_pool_bytes": engine.cache.allocated_bytes(), "cuda_graph": graph,
             "fused": fused, "graph_captures": g.captures if g else 0, "capture_s": g.capture_s if g else 0.0,
             "kept_sets": None if engine.kept_events is None else
-            kept_sets(engine.kept_events, layers=engine.n_layers, heads=engine.heads_kv)}
+            kept_sets(engine.kept_events, layers=engine.spec.layers, heads=engine.heads_kv)}
 
 
 def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,

@@ -19,9 +19,11 @@ test-lowest``), so the engine supports the stack instead of refusing it. Outside
 `check_transformers` raises one `UnsupportedTransformersError` that names the installed and the
 supported versions, before any model forward.
 
-Attention variants the engine does not implement are refused up front by `model_spec` with a
-``ValueError`` naming the setting (sliding windows, logit soft-capping, attention sinks), instead
-of decoding with the wrong attention. A per-model attention ``scaling`` is supported.
+`model_spec` reads each layer's attention kind (full, or a sliding window: `ModelSpec.sliding`),
+the logit soft cap and whether the modules carry learned sinks. What the engine does not
+implement is refused up front with a ``ValueError`` naming the feature and the family (MLA's
+latent KV, linear-attention / state-space layers, cross-attention, per-layer softmax scales),
+instead of decoding with the wrong attention. A per-model attention ``scaling`` is supported.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ __all__ = [
     "CacheBase",
     "ModelSpec",
     "UnsupportedTransformersError",
+    "attention_modules",
     "cache_keyword",
     "check_transformers",
     "config_vocab_size",
@@ -142,12 +145,17 @@ def register_attention(name: str, attend: Callable[..., torch.Tensor]) -> None:
 
     ``attend`` gets the layer index, ``query`` ``[B, Hq, Q, D]``, the ``key`` / ``value`` that the
     cache's ``write`` returned ``[B, Hkv, S, D]`` and the layer's softmax scale, and returns
-    ``[B, Hq, Q, D]``; the model's own mask is not used (the engine masks).
+    ``[B, Hq, Q, D]``; the model's own mask is not used (the engine masks). A module with learned
+    sinks (GPT-OSS's ``sinks`` parameter ``[Hq]``, natural-log logits) passes them as
+    ``sinks=``, read from the module at every call (training updates them in place); a module
+    without them calls ``attend`` with the five arguments only.
     """
 
     def hook(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        out = attend(module.layer_idx, query, key, value, scale)
+        sinks = getattr(module, "sinks", None)
+        out = attend(module.layer_idx, query, key, value, scale) if sinks is None else \
+            attend(module.layer_idx, query, key, value, scale, sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(name, hook)
@@ -203,9 +211,20 @@ def model_state(model) -> tuple:
     return type(model), param.dtype, param.device, hooks, checkpointing
 
 
+FULL, SLIDING = "full", "sliding"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the engine reads of a model's config and attention modules."""
+    """What the engine reads of a model's config and attention modules.
+
+    ``sliding`` lists the layers that attend over a sliding window of ``window`` positions (the
+    query's own included: HF's ``sliding_window_overlay`` keeps ``kv_idx > q_idx - window``,
+    ``transformers/masking_utils.py``, identical in 5.9.0 and 5.24.0); every other layer is full
+    causal attention. ``softcap``: the attention-logit soft cap (``cap · tanh(logits / cap)``,
+    Gemma 2's ``attn_logit_softcapping``) or None; ``sinks``: the attention modules carry learned
+    per-head sink logits (GPT-OSS's ``sinks`` parameter), read from the module at every call.
+    """
 
     layers: int
     heads_q: int
@@ -213,46 +232,128 @@ class ModelSpec:
     head_dim: int
     hidden_size: int
     scaling: float  # softmax scale of every attention layer (head_dim ** -0.5 for Qwen3 / Llama)
+    sliding: tuple[int, ...] = ()
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+
+    @property
+    def full(self) -> tuple[int, ...]:
+        """The full-attention layers, ascending."""
+        return tuple(i for i in range(self.layers) if i not in self.sliding)
+
+    @property
+    def layer_kinds(self) -> tuple[tuple[str, int | None], ...]:
+        """``(kind, window)`` per layer: ``("full", None)`` or ``("sliding", window)``."""
+        return tuple((SLIDING, self.window) if i in self.sliding else (FULL, None) for i in range(self.layers))
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
 
 
+def attention_modules(model) -> dict[int, torch.nn.Module]:
+    """The self-attention module of each layer, by ``layer_idx`` (the engine reads a module's
+    learned ``sinks`` at call time: training updates them in place)."""
+    return {int(m.layer_idx): m for m in _attention_modules(model)}
+
+
+_SUPPORTED = "full causal attention with one softmax scale, sliding-window layers, attention sinks and logit soft-capping"
+
+
 def _refuse(setting: str, detail: str) -> None:
-    raise ValueError(
-        f"model: {setting} is not supported by sparsecorr's decoding ({detail}); supported are "
-        "full causal attention with one softmax scale (Qwen3, Llama and alike)")
+    raise ValueError(f"model: {setting} is not supported by sparsecorr's decoding ({detail}); supported are "
+                     f"{_SUPPORTED} (Llama, Qwen, Mistral, Gemma, GPT-OSS and alike)")
+
+
+#: attention-like layer types of ``config.layer_types`` the engine does not serve, by what they are
+_FOREIGN_LAYERS = {"linear_attention": "linear-attention (gated DeltaNet) layers",
+                   "mamba": "state-space (Mamba) layers",
+                   "chunked_attention": "chunked attention layers", "conv": "convolution layers"}
+#: module class names of layers without a softmax over a KV cache (gated DeltaNet, Mamba, ...)
+_STATE_SPACE = ("Mamba", "DeltaNet", "LinearAttention", "Lightning", "Ssm", "SSM", "Rwkv", "RWKV")
+
+
+def _family(cfg) -> str:
+    return getattr(cfg, "model_type", None) or type(cfg).__name__
+
+
+def _refuse_structure(model, cfg) -> None:
+    """Refuse, before any forward, what has no per-layer softmax over a K/V cache of this shape:
+    MLA's latent KV, linear-attention / state-space layers and cross-attention."""
+    family = _family(cfg)
+    if getattr(cfg, "kv_lora_rank", None) is not None:
+        _refuse("multi-head latent attention (kv_lora_rank)",
+                f"{family} caches a compressed latent KV of rank {cfg.kv_lora_rank}, not per-head keys and values")
+    kinds = set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        what = ", ".join(_FOREIGN_LAYERS.get(k, f"{k!r} layers") for k in sorted(kinds))
+        _refuse(what, f"{family}'s config.layer_types lists {sorted(kinds)}")
+    names = {type(m).__name__ for m in model.modules()}
+    ssm = sorted(n for n in names if any(t in n for t in _STATE_SPACE))
+    if ssm:
+        _refuse("linear-attention / state-space layers", f"{family} has {', '.join(ssm)}")
+    cross = sorted(n for n in names if "CrossAttention" in n)
+    if cross or getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "cross_attention_layers", None):
+        _refuse("cross-attention", f"{family} attends to an encoder or image states ({', '.join(cross) or 'config'})")
+
+
+def _sliding_layers(cfg, modules: list[torch.nn.Module]) -> tuple[tuple[int, ...], int | None]:
+    """The sliding-window layers and their window, from the conventions of transformers 5.9 –
+    5.24: ``config.layer_types`` (``"sliding_attention"``; Gemma 2/3, GPT-OSS, EXAONE 4, Qwen2 /
+    Qwen3 with ``use_sliding_window``: layers from ``max_window_layers`` on); without it,
+    ``sliding_window_pattern`` (every ``pattern``-th layer full) or a ``sliding_window`` on the
+    config (Mistral: every layer slides) unless ``use_sliding_window`` is False. A module's own
+    ``sliding_window`` is not used to decide (EXAONE 4 sets it on its full layers too)."""
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        sliding = tuple(i for i, t in enumerate(types[:n]) if t == "sliding_attention")
+    elif window is None or not getattr(cfg, "use_sliding_window", True):
+        sliding = ()
+    elif getattr(cfg, "sliding_window_pattern", None):
+        pattern = int(cfg.sliding_window_pattern)
+        sliding = tuple(i for i in range(n) if (i + 1) % pattern)
+    else:
+        sliding = tuple(range(n))
+    if not sliding:
+        return (), None
+    windows = {getattr(m, "sliding_window", None) for m in modules if int(m.layer_idx) in sliding} - {None}
+    windows |= {window} - {None}
+    if len(windows) != 1:
+        _refuse("sliding_window", f"sliding layers with windows {sorted(windows) or 'unset'}: one window expected")
+    window = windows.pop()
+    if not isinstance(window, int) or window < 1:
+        _refuse("sliding_window", f"window {window!r}: expected an int >= 1")
+    return sliding, window
 
 
 def model_spec(model) -> ModelSpec:
     """The config fields the engine needs, after refusing attention it would compute wrongly.
 
     Raises:
-        ValueError: naming ``sliding_window``, ``attn_logit_softcapping``, ``sinks`` or
-            ``scaling`` (one scale per layer differing between layers) when the model uses it.
+        ValueError: before any forward, naming the feature and the family: multi-head latent
+            attention (``kv_lora_rank``: DeepSeek-V2/V3), ``layer_types`` other than full and
+            sliding attention (Qwen3-Next's ``linear_attention``), linear-attention / state-space
+            modules (gated DeltaNet, Mamba), cross-attention (mllama, encoder-decoder models),
+            sliding layers with different windows, or ``scaling`` differing between layers.
     """
     cfg = model.config
+    _refuse_structure(model, cfg)
     heads = cfg.num_attention_heads
     modules = _attention_modules(model)
     softcap = getattr(cfg, "attn_logit_softcapping", None)
-    if softcap is not None:
-        _refuse("attn_logit_softcapping", f"attention logits are soft-capped at {softcap}")
-    if any(getattr(m, "sinks", None) is not None for m in modules):
-        _refuse("sinks", "attention has learned sink logits")
-    layer_types = set(getattr(cfg, "layer_types", None) or ())
-    windows = {getattr(m, "sliding_window", None) for m in modules} - {None}
-    if getattr(cfg, "use_sliding_window", True):  # Qwen2 / Qwen3 keep a window they do not use
-        windows |= {getattr(cfg, "sliding_window", None)} - {None}
-    if windows or "sliding_attention" in layer_types:
-        _refuse("sliding_window", f"layers attend over a sliding window of {sorted(windows) or cfg.sliding_window}")
+    sinks = any(getattr(m, "sinks", None) is not None for m in modules)
+    sliding, window = _sliding_layers(cfg, modules)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     scales = {float(m.scaling) for m in modules} or {head_dim ** -0.5}
     if len(scales) > 1:
-        _refuse("scaling", f"layers use different softmax scales {sorted(scales)}")
+        _refuse("scaling", f"{_family(cfg)} layers use different softmax scales {sorted(scales)}")
     return ModelSpec(layers=cfg.num_hidden_layers, heads_q=heads,
                      heads_kv=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-                     hidden_size=cfg.hidden_size, scaling=scales.pop())
+                     hidden_size=cfg.hidden_size, scaling=scales.pop(), sliding=sliding, window=window,
+                     softcap=None if softcap is None else float(softcap), sinks=sinks)
 
 
 def config_vocab_size(model) -> int:

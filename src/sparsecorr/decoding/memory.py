@@ -3,7 +3,8 @@ r"""The memory plan: how many rows of a KV pool (and of the policy's state besid
 A row's bytes are measured, not modelled: the pool and the policy's state are built on the
 ``meta`` device (no memory) for one and for two rows, and their ``allocated_bytes`` differ by
 one row (K, V, positions, and what the policy keeps per row: an observation ring, key norms,
-page sums). A row holds ``KVPolicy.capacity(table, longest=max_model_len, chunk=prefill_chunk)``
+page sums; a model with sliding-window layers: their ring of ``min(window + chunk - 1,
+max_model_len)`` slots per layer beside the full layers' pool). A row holds ``KVPolicy.capacity(table, longest=max_model_len, chunk=prefill_chunk)``
 slots: ``budget + buffer + chunk`` for an eviction policy, the whole context for dense and
 selection. The rows are then
 
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from .hf import model_spec
-from .policies import KVPolicy
-from .pool import KVPool
+from .policies import Dense, KVPolicy
+from .pool import KVPool, WindowRing, ring_slots
 from .validate import budget_table
 
 __all__ = ["CPU_DEFAULT_ROWS", "FREE_FRACTION", "MemoryPlan", "check_caps", "plan_for", "plan_memory", "row_bytes"]
@@ -54,18 +55,31 @@ class MemoryPlan:
     source: str
 
 
-def row_bytes(model, policy: KVPolicy, table: torch.Tensor, capacity: int) -> tuple[int, int]:
+def row_bytes(model, policy: KVPolicy, table: torch.Tensor, capacity: int, *,
+              chunk: int | None = None) -> tuple[int, int]:
     """``(bytes per row, fixed bytes)`` of the pool and the policy's state for ``model`` at
-    ``capacity`` slots per row, measured on the meta device (nothing allocated)."""
+    ``capacity`` slots per row, measured on the meta device (nothing allocated). Per layer group,
+    as the engine allocates (`sparsecorr.decoding.engine.Engine`): the full layers' pool at
+    ``capacity`` slots, the sliding-window layers' ring at `ring_slots` (``chunk``: the most
+    tokens a forward feeds; None: the context); a model whose layers all slide runs no policy."""
     spec = model_spec(model)
     dtype = next(model.parameters()).dtype
+    meta = torch.device("meta")
+    if not spec.full:  # as Engine: the window bounds every layer, Dense over an empty pool
+        policy, capacity = Dense(), table.numel()
+    longest = max(table.numel() - 1, 1)
     sizes = []
     for batch in (1, 2):
-        pool = KVPool(layers=spec.layers, batch=batch, kv_heads=spec.heads_kv, head_dim=spec.head_dim,
-                      capacity=capacity, page_size=policy.pool_page_size, dtype=dtype, device=torch.device("meta"),
+        pool = KVPool(layers=len(spec.full), batch=batch, kv_heads=spec.heads_kv, head_dim=spec.head_dim,
+                      capacity=capacity, page_size=policy.pool_page_size, dtype=dtype, device=meta,
                       positions=policy.tracks_positions, grad=False)
         state = policy.new_state(pool, q_heads=spec.heads_q, table=table)
-        sizes.append(pool.allocated_bytes() + sum(t.numel() * t.element_size() for t in state.buffers()))
+        ring = 0
+        if spec.sliding:
+            slots = ring_slots(spec.window, chunk=longest if chunk is None else chunk, longest=longest)
+            ring = WindowRing(layers=len(spec.sliding), batch=batch, kv_heads=spec.heads_kv, head_dim=spec.head_dim,
+                              window=spec.window, slots=slots, dtype=dtype, device=meta, grad=False).allocated_bytes()
+        sizes.append(pool.allocated_bytes() + ring + sum(t.numel() * t.element_size() for t in state.buffers()))
     per = sizes[1] - sizes[0]
     return per, sizes[0] - per
 
@@ -119,7 +133,7 @@ def plan_for(model, policy: KVPolicy, budget, *, longest: int, chunk: int, max_n
     scheduler's pristine row; 0 for a one-pool ``generate``)."""
     table = budget_table(budget, dense=policy.ignores_budget, longest=longest)
     capacity = policy.capacity(table, longest=longest, chunk=chunk)
-    per, fixed = row_bytes(model, policy, table, capacity)
+    per, fixed = row_bytes(model, policy, table, capacity, chunk=chunk)
     device = next(model.parameters()).device
     return table, plan_memory(per_row=per, fixed=fixed, capacity=capacity, device=device, max_num_seqs=max_num_seqs,
                               max_kv_bytes=max_kv_bytes, extra_rows=extra_rows)

@@ -28,7 +28,10 @@ import torch
 
 from .kernels import write_kv
 
-__all__ = ["KVPool", "take_rows"]
+__all__ = ["EMPTY", "KVPool", "WindowRing", "ring_slots", "take_rows"]
+
+#: the position of a ring slot that holds no token (never inside a window)
+EMPTY = -(2 ** 62)
 
 
 class KVPool:
@@ -71,7 +74,9 @@ class KVPool:
         return sum(t.numel() * t.element_size() for g in (self.k, self.v, self.pos or []) for t in g)
 
     def slot_bytes(self) -> int:
-        """K + V bytes of one slot of one row over all layers and KV heads."""
+        """K + V bytes of one slot of one row over all layers and KV heads (0 without layers)."""
+        if not self.k:
+            return 0
         k = self.k[0]
         return 2 * len(self.k) * k.shape[1] * k.shape[3] * k.element_size()
 
@@ -178,6 +183,8 @@ def take_rows(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         buf ``[L, B, ...]``; rows ``[n]`` (device long) -> ``[L, n, ...]``.
     """
     n_layers, b, n = buf.shape[0], buf.shape[1], rows.shape[0]
+    if n_layers == 0:
+        return buf.index_select(1, rows)
     per = buf[0].numel() // b if b else 0
     need = n_layers * n * per * buf.element_size()
     in_place = buf.is_contiguous() and b > 0 and (
@@ -190,3 +197,95 @@ def take_rows(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         kept = buf[i].index_select(0, rows)
         flat[i * n * per:(i + 1) * n * per].view(kept.shape).copy_(kept)
     return flat[:n_layers * n * per].view(n_layers, n, *buf.shape[2:])
+
+
+def ring_slots(window: int, *, chunk: int, longest: int) -> int:
+    """Slots a sliding-window layer's ring needs per row: ``min(window + chunk - 1, longest)``.
+
+    A forward of ``q`` tokens at positions ``p0 .. p0 + q - 1`` writes them all before its first
+    query attends, and that query still reads positions down to ``p0 - window + 1``: ``window +
+    q - 1`` positions live at once, so a ring of ``window + chunk - 1`` slots (``chunk``: the most
+    tokens a forward feeds) never overwrites a position a query of the forward reads. A decode
+    step (``q = 1``) reads exactly ``window``. A ring as long as the longest context never wraps.
+    """
+    return max(1, min(window + max(chunk, 1) - 1, longest))
+
+
+class WindowRing:
+    r"""The K/V of the sliding-window layers: a ring of ``R`` slots per row (`ring_slots`).
+
+    Position \(p\) of row \(b\) lives at slot \(p \bmod R\); the ring keeps each slot's position
+    (``pos [B, R + 1]``, one for all its layers and heads: nothing is evicted per head) and a
+    scratch slot ``R`` that padding tokens write to (position `EMPTY`). A query at position
+    \(q\) attends the slots with \(q - W < p \le q\) (`mask`), exactly HF's sliding-window mask
+    (``transformers/masking_utils.py`` ``sliding_window_overlay``: ``kv_idx > q_idx -
+    sliding_window`` and causal, the same in 5.9.0 and 5.24.0).
+
+    Shapes:
+        k[i], v[i]: ``[B, H_kv, R + 1, D]`` (a `KVPool` of ``R`` slots, pages of one slot);
+        pos ``[B, R + 1]`` long.
+    """
+
+    def __init__(self, *, layers: int, batch: int, kv_heads: int, head_dim: int, window: int, slots: int,
+                 dtype: torch.dtype, device: torch.device, grad: bool) -> None:
+        self.window, self.slots = window, slots
+        self.kv = KVPool(layers=layers, batch=batch, kv_heads=kv_heads, head_dim=head_dim, capacity=slots,
+                         page_size=1, dtype=dtype, device=device, positions=False, grad=grad)
+        self.pos = torch.full((batch, slots + 1), EMPTY, dtype=torch.long, device=device)
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return self.kv.k
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return self.kv.v
+
+    def plan(self, ctx: torch.Tensor, real: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write slots and ring positions of a chunk (host): row ``b``'s token ``i < real_b`` at
+        position ``ctx_b + i`` goes to slot ``(ctx_b + i) mod R``, padding to the scratch slot
+        with position `EMPTY`.
+
+        Shapes:
+            ctx, real ``[B]``; offsets ``[Q]`` -> slots, positions ``[B, Q]``.
+        """
+        is_real = offsets < real[:, None]
+        p = ctx[:, None] + offsets
+        return torch.where(is_real, p % self.slots, self.slots), torch.where(is_real, p, EMPTY)
+
+    def write_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Record the positions a chunk writes (``[B, Q]`` each), once per forward."""
+        self.pos.scatter_(1, slots, positions)
+
+    def mask(self, queries: torch.Tensor) -> torch.Tensor:
+        """Which slots each query attends: ``q - W < p <= q`` (a query with no such slot, a
+        padding query far past its row's tokens, attends every slot instead, so no softmax row is
+        empty; its output is never read).
+
+        Shapes:
+            queries ``[B, Q]`` (true positions) -> ``[B, 1, Q, R + 1]`` bool.
+        """
+        p, q = self.pos[:, None, :], queries[:, :, None]
+        inside = (p <= q) & (p > q - self.window)
+        return (inside | ~inside.any(-1, keepdim=True))[:, None]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        self.kv.write(layer, key, value, slots)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` (device long) of the K/V and the positions."""
+        self.kv.select_rows(rows)
+        self.pos = self.pos.index_select(0, rows)
+
+    def reset_rows(self, dst: torch.Tensor, source: int) -> None:
+        """Rows ``dst`` (device long) become copies of row ``source`` (the pristine row)."""
+        for buf in (self.kv.k_all, self.kv.v_all):
+            buf[:, dst] = buf[:, source].unsqueeze(1)
+        self.pos[dst] = self.pos[source].clone()  # [R + 1] longs: no overlap with the rows written
+
+    def allocated_bytes(self) -> int:
+        return self.kv.allocated_bytes() + self.pos.numel() * self.pos.element_size()
+
+    def slot_bytes(self) -> int:
+        """K + V bytes of one slot of one row over the ring's layers and KV heads."""
+        return self.kv.slot_bytes()

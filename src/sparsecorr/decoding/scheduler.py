@@ -40,7 +40,7 @@ import torch
 from .._checks import check_int, is_int
 from .backends import select_backend
 from .cache import ATTN_NAME, active_cache
-from .engine import Engine
+from .engine import Engine, backend_features
 from .hf import check_transformers, eval_modules, model_spec, sparse_attention
 from .loops import device_generator
 from .memory import MemoryPlan, plan_for
@@ -199,7 +199,7 @@ class Scheduler:
                 self._free(r)
                 outs.append(r.output("error", exc))
             return outs
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.peak_slots * self.engine.pool.slot_bytes())
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.peak_kv_bytes)
         return self._record(ready, tok, lp, top) if ready else []
 
     def _admit(self) -> None:
@@ -286,9 +286,11 @@ class Scheduler:
     def _allocate(self) -> None:
         back, self.backend_label = select_backend(self.backend_name, device=self.device, dtype=self.dtype,
                                                   head_dim=self.spec.head_dim,
-                                                  group_size=self.spec.heads_q // self.spec.heads_kv)
+                                                  group_size=self.spec.heads_q // self.spec.heads_kv,
+                                                  **backend_features(self.spec))
         self.engine = Engine(self.model, policy=self.policy, backend=back, table=self.table, batch=self.plan.rows + 1,
-                             capacity=self.plan.capacity, grad=False, cuda_graph=self.cuda_graph, fused=self.fused)
+                             capacity=self.plan.capacity, grad=False, cuda_graph=self.cuda_graph, fused=self.fused,
+                             chunk=self.chunk)
 
     def release(self) -> None:
         """Free the pool, graphs and backend buffers (no request may be running; waiting ones are

@@ -115,7 +115,7 @@ def test_model_spec_reads_the_config(arch):
                                 scaling=head_dim ** -0.5)
 
 
-# -- attention variants: refused by name, or supported and tested against the model's forward ------
+# -- attention variants: read into the spec (served; refusals: test_refusals.py) -------------------
 def _tiny(config_cls, model_cls, **extra):
     cfg = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, **extra)
@@ -126,21 +126,22 @@ def _tiny(config_cls, model_cls, **extra):
 def _variants():
     t = transformers
     yield "qwen3-sliding", lambda: _tiny(t.Qwen3Config, t.Qwen3ForCausalLM, use_sliding_window=True,
-                                         sliding_window=8, max_window_layers=0), "sliding_window"
-    yield "mistral-sliding", lambda: _tiny(t.MistralConfig, t.MistralForCausalLM, sliding_window=8), "sliding_window"
-    yield "gemma2-softcap", lambda: _tiny(t.Gemma2Config, t.Gemma2ForCausalLM,
-                                          attn_logit_softcapping=50.0), "attn_logit_softcapping"
+                                         sliding_window=8, max_window_layers=0), dict(sliding=(0, 1), window=8)
+    yield "mistral-sliding", lambda: _tiny(t.MistralConfig, t.MistralForCausalLM, sliding_window=8), \
+        dict(sliding=(0, 1), window=8)
+    yield "gemma2-softcap", lambda: _tiny(t.Gemma2Config, t.Gemma2ForCausalLM, attn_logit_softcapping=50.0,
+                                          sliding_window=8), dict(sliding=(0,), window=8, softcap=50.0)
     yield "gpt-oss-sinks", lambda: _tiny(t.GptOssConfig, t.GptOssForCausalLM, num_local_experts=2,
-                                         num_experts_per_tok=1), "sinks"
+                                         num_experts_per_tok=1, sliding_window=8), dict(sliding=(0,), window=8,
+                                                                                          sinks=True)
 
 
-@pytest.mark.parametrize("name,build,setting", list(_variants()), ids=lambda x: x if isinstance(x, str) else "")
-def test_unsupported_attention_is_refused_by_name(name, build, setting):
-    model = build()
-    with pytest.raises(ValueError, match=rf"model: {setting} is not supported"):
-        hf.model_spec(model)
-    with pytest.raises(ValueError, match=rf"model: {setting} is not supported"):
-        generate(model, torch.ones(1, 3, dtype=torch.long), max_new_tokens=2, policy=Dense(), budget=None)
+@pytest.mark.parametrize("name,build,fields", list(_variants()), ids=lambda x: x if isinstance(x, str) else "")
+def test_attention_variants_are_read_into_the_spec(name, build, fields):
+    spec = hf.model_spec(build())
+    got = {k: getattr(spec, k) for k in fields}
+    assert got == fields
+    assert spec.full == tuple(i for i in range(spec.layers) if i not in spec.sliding)
 
 
 def _scaled(scale):
