@@ -153,12 +153,14 @@ def use_sparse_engines(sampler) -> None:
     """Make OpenRLHF's launcher create sparse rollout actors: ``openrlhf.trainer.ray.
     create_vllm_engines`` (which ``openrlhf.cli.train_ppo_ray`` imports when it runs) becomes
     `create_sparse_engines` with ``sampler``."""
-    import openrlhf.trainer.ray as trainer_ray
+    import importlib
 
-    from .rollout.engines import create_sparse_engines
+    from .rollout import engines
+
+    trainer_ray = importlib.import_module("openrlhf.trainer.ray")
 
     def create_engines(*args: Any, **kwargs: Any) -> list:
-        return create_sparse_engines(*args, **kwargs, sampler=sampler)
+        return engines.create_sparse_engines(*args, **kwargs, sampler=sampler)
 
     trainer_ray.create_vllm_engines = create_engines
 
