@@ -238,14 +238,22 @@ def test_paged_selection_with_sinks_and_softcap():
         torch.testing.assert_close(got[:, h * 2:(h + 1) * 2].to(F64), want, atol=2e-5, rtol=2e-5)
 
 
-def test_paged_graph_mode_refuses_a_softcap_it_was_not_planned_with():
+def test_paged_graph_mode_replans_outside_a_capture_and_refuses_inside(monkeypatch):
+    """In CUDA-graph mode a soft-cap missing from ``begin_step`` is planned by the warm-up's first
+    decode (into the fixed buffers); during a capture it cannot be, and says so."""
     backend = PagedBackend(ReferenceDecodeKernel, name="paged-oracle")
     backend.enable_graph(batch=1, heads=1, pages_per_row=4, keep_cap=0, group=2, head_dim=8,
                          device=torch.device("cpu"))
     _paged_step(backend, torch.tensor([3]), hkv=1, hq=2, d=8, cap_slots=4, page_size=1, softcap_at_plan=None)
     q, kp = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8)
-    with pytest.raises(ValueError, match="softcap: this CUDA-graph step was planned with softcap=None"):
-        backend.decode(q, kp, kp, softcap=2.0)
+    got = backend.decode(q, kp, kp, softcap=2.0)
+    torch.testing.assert_close(got.double(), hf_eager(q, kp[:, :, :3], kp[:, :, :3], None, softcap=2.0),
+                               atol=2e-5, rtol=2e-5)
+    assert backend._dense.softcap == 2.0 and backend._dense.table.indptr is backend._dense.buffers[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match=r"softcap: this CUDA-graph step was planned with softcap=2\.0 .* capture"):
+        backend.decode(q, kp, kp, softcap=3.0)
 
 
 def test_paged_chunks_take_the_features_too():

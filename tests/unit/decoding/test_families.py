@@ -132,3 +132,17 @@ def test_refused_before_any_forward(family):
     with pytest.raises(ValueError, match=family.refused) as err:
         generate(model, _ids(), policy=Dense(), budget=None, max_new_tokens=2, temperature=0)
     assert model.config.model_type in str(err.value) and calls == []
+
+
+@pytest.mark.parametrize("family", [_mark(f, {"gpt-oss", "gemma2"}) for f in VARIANTS])
+def test_graph_step_on_the_paged_path(family, cpu_graphs):
+    """The CUDA-graph decode step (its CPU stand-in) on the paged oracle: fixed table buffers,
+    the soft-cap planned before the capture, the sink rescale inside the step; = HF."""
+    model = build(family)
+    ids = _ids()
+    out = generate(model, ids, policy=Dense(), budget=None, max_new_tokens=NEW, temperature=0, eos_token_id=2,
+                   backend=PagedBackend(ReferenceDecodeKernel, name="paged-oracle"), cuda_graph=True, fused=False)
+    assert out.meta["cuda_graph"] == "on" and out.meta["graph_captures"] >= 1, out.meta
+    hf = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=2, pad_token_id=0)[:, PROMPT:]
+    for row, n in enumerate(out.lengths.tolist()):
+        assert torch.equal(hf[row, :n], out.tokens[row, :n])

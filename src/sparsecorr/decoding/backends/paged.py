@@ -224,12 +224,14 @@ class PagedBackend:
 
     def _replan(self, softcap: float | None) -> None:
         """A `decode` asked for another soft-cap than the step was planned with: plan the step's
-        tables again with it (eager only: a captured step's plan is fixed) and keep it for the
-        next steps. Host work once, on the first decode of a run whose caller did not pass the
-        soft-cap to `begin_step`."""
-        if self._graph:
+        tables again with it and keep it for the next steps. Host work once, on the first decode
+        of a run whose caller did not pass the soft-cap to `begin_step`; in CUDA-graph mode the
+        warm-up before a capture does it (the plan copies into the fixed table buffers), a capture
+        itself cannot."""
+        if self._graph and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise ValueError(f"softcap: this CUDA-graph step was planned with softcap={self._softcap!r} and a "
-                             f"layer asked for {softcap!r}; pass the model's softcap to begin_step")
+                             f"layer asked for {softcap!r} during the capture; pass the model's softcap to "
+                             "begin_step")
         self._softcap = softcap
         plans, self._plans = self._plans, []
         for kernel, table, dtype, scale in plans:
