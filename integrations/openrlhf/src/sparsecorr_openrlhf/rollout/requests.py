@@ -25,6 +25,7 @@ sampler's log-prob and the top-``logprobs`` tokens.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ _OFF: dict[str, Any] = {
     "truncate_prompt_tokens": None,
 }
 _FINISH = {"eos": "stop", "length": "length", "aborted": "abort"}  # scheduler -> vLLM
+_WARNED: set[str] = set()
+logger = logging.getLogger("sparsecorr_openrlhf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +139,10 @@ def parse_sampling(request_id: str, prompt_token_ids: Sequence[int], sampling_pa
     if min_tokens > 1:
         raise ValueError(f"sampling_params.min_tokens: the sparse sampler does not mask stop tokens, expected "
                          f"0 or 1, got {min_tokens!r}")
+    if min_tokens == 1 and "min_tokens" not in _WARNED:
+        _WARNED.add("min_tokens")
+        logger.warning("sampling_params.min_tokens=1: the sparse sampler does not mask stop tokens, so a "
+                       "response may be one stop token (its log-prob is recorded as sampled); warned once")
     room = max_model_len - len(prompt)
     max_tokens = _get(sampling_params, "max_tokens")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
