@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-__all__ = ["DROP", "FAMILIES", "HYBRID", "REFUSED", "SERVED", "WINDOW", "Family", "build"]
+__all__ = ["DROP", "FAMILIES", "HYBRID", "REFUSED", "SERVED", "WINDOW", "Family", "build", "family"]
 
 WINDOW = 8
 DROP = object()  # a `Family.kwargs` value that leaves a `COMMON` field out (the family's default)
@@ -112,16 +112,25 @@ HYBRID = tuple(f for f in SERVED if f.hybrid)
 REFUSED = tuple(f for f in FAMILIES if f.refused is not None)
 
 
+def family(name: str) -> Family:
+    """The table's row called ``name``."""
+    for f in FAMILIES:
+        if f.name == name:
+            return f
+    raise ValueError(f"name: expected one of {[f.name for f in FAMILIES]}, got {name!r}")
+
+
 def build(family: Family, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-          attn_implementation: str = "eager"):
-    """``family``'s tiny random model in eval mode (seeded), or a skip naming the missing class."""
+          attn_implementation: str = "eager", **overrides):
+    """``family``'s tiny random model in eval mode (seeded), or a skip naming the missing class;
+    ``overrides``: config fields over the table's (e.g. ``vocab_size`` for a test tokenizer)."""
     import transformers
 
     cfg_cls, model_cls = getattr(transformers, family.config, None), getattr(transformers, family.model, None)
     if cfg_cls is None or model_cls is None:
         missing = family.config if cfg_cls is None else family.model
         pytest.skip(f"{family.name}: transformers {transformers.__version__} has no {missing}")
-    kw = {**COMMON, **family.kwargs}
+    kw = {**COMMON, **family.kwargs, **overrides}
     config = cfg_cls(**{k: v for k, v in kw.items() if v is not DROP})
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
