@@ -91,6 +91,17 @@ def test_a_field_the_sampler_cannot_honour_is_refused_by_name(field, value):
         parse_sampling("r", [5, 6], openrlhf_params(**{field: value}), max_model_len=32, vocab_size=128)
 
 
+def test_neutral_values_of_the_refused_fields_are_accepted():
+    """vLLM's own defaults of the fields the sampler refuses (``best_of`` may equal ``n`` = 1)."""
+    neutral = {"n": 1, "best_of": 1, "stop": [], "bad_words": [], "logit_bias": None, "prompt_logprobs": None,
+               "presence_penalty": 0.0, "min_p": 0.0, "min_tokens": 0, "top_k": 0, "max_tokens": 5,
+               "detokenize": False}
+    req = parse_sampling("r", [5, 6], neutral, max_model_len=32, vocab_size=128)
+    assert req.params.max_tokens == 5 and req.params.top_k is None and not req.detokenize
+    with pytest.raises(ValueError, match=r"sampling_params\.best_of"):
+        parse_sampling("r", [5, 6], {**neutral, "best_of": 2}, max_model_len=32, vocab_size=128)
+
+
 def test_prompts_and_actor_arguments_refused_by_name(actor, ckpt):
     with pytest.raises(ValueError, match="prompt_token_ids: expected at most 47"):
         parse_sampling("r", list(range(3, 51)), openrlhf_params(), max_model_len=48, vocab_size=128)

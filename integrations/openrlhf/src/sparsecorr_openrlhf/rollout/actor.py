@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import os
 import uuid
 from typing import Any
 
@@ -62,6 +63,18 @@ def load_executor(agent_func_path: str | None, remote_rm_url: Any = None):
         raise ValueError(f"agent_func_path: expected a module with an AgentExecutor(AgentExecutorBase) class, "
                          f"got {agent_func_path!r}")
     return cls()
+
+
+def _own_gpu() -> None:
+    """Where Ray was told not to set ``CUDA_VISIBLE_DEVICES`` (``RAY_EXPERIMENTAL_NOSET_CUDA_
+    VISIBLE_DEVICES``), make this process see the GPU Ray gave it, as ``RolloutRayActor`` does
+    (``_configure_device_env``), before torch touches CUDA."""
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        import ray
+
+        ids = ray.get_gpu_ids()
+        if ids:
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(ids[0])
 
 
 def _load(path: str, *, device: torch.device, dtype: str):
@@ -116,6 +129,7 @@ class SparseRolloutActor:
             raise ValueError(f"max_model_len: expected an int >= 2, got {max_model_len!r}")
         self.max_model_len, self.seed = max_model_len, int(seed)
         self.agent_func_path, self.remote_rm_url = agent_func_path, remote_rm_url
+        _own_gpu()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tokenizer, self.eos_token_ids = _load(str(model), device=self.device, dtype=dtype)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])

@@ -92,6 +92,7 @@ class ActorRequest:
     params: RequestParams
     logprobs: int | None
     skip_special_tokens: bool = True
+    detokenize: bool = True
 
 
 def _get(sp: Any, name: str, default: Any = None) -> Any:
@@ -101,7 +102,7 @@ def _get(sp: Any, name: str, default: Any = None) -> Any:
 
 
 def _refused(name: str, value: Any, off: Any) -> bool:
-    if value is None or value == off:
+    if value is None or value == off or (name == "best_of" and value == 1):
         return False
     if isinstance(value, (list, tuple, dict, set)) and not value:
         return False
@@ -171,7 +172,8 @@ def parse_sampling(request_id: str, prompt_token_ids: Sequence[int], sampling_pa
     except (TypeError, ValueError) as exc:  # the scheduler's own check, named as vLLM's field
         raise ValueError(f"sampling_params.{exc}") from None
     return ActorRequest(request_id=str(request_id), prompt=prompt, params=params, logprobs=logprobs,
-                        skip_special_tokens=bool(_get(sampling_params, "skip_special_tokens", True)))
+                        skip_special_tokens=bool(_get(sampling_params, "skip_special_tokens", True)),
+                        detokenize=bool(_get(sampling_params, "detokenize", True)))
 
 
 def as_output(request: ActorRequest, out: RequestOutput, *, tokenizer: Any = None) -> ActorOutput:
@@ -197,7 +199,7 @@ def as_output(request: ActorRequest, out: RequestOutput, *, tokenizer: Any = Non
             entry[tok] = Logprob(logprob=float(lp), rank=rank)  # the sampler's own log-prob of the sampled token
             per_token.append(entry)
     text = ""
-    if tokenizer is not None and tokens:
+    if tokenizer is not None and tokens and request.detokenize:
         text = tokenizer.decode(tokens, skip_special_tokens=request.skip_special_tokens)
     reason = _FINISH[out.finish_reason]
     stop = tokens[-1] if reason == "stop" and tokens and tokens[-1] in (request.params.stop_token_ids or ()) else None
