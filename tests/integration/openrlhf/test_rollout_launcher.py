@@ -107,3 +107,17 @@ def test_use_sparse_engines_replaces_openrlhfs_engine_builder(monkeypatch):
     assert fake.create_vllm_engines(2, 1, "/ckpt", 42, False, False, False, 2048, None, 0.9, True,
                                     "processed_logprobs", agent_func_path=None) == ["e"]
     assert seen["args"][:3] == (2, 1, "/ckpt") and seen["kwargs"]["sampler"] is spec
+
+
+def test_the_launcher_imports_no_engine_without_the_rollout_flag(tmp_path):
+    """The glue's loss path needs no transformers: the rollout flags load the engine only when
+    ``--sparsecorr.rollout`` is given."""
+    import os
+    import subprocess
+
+    code = ("import sys, sparsecorr_openrlhf.train_ppo_ray as l; l.parse_rollout_args(['--x']); "
+            "assert 'transformers' not in sys.modules and 'sparsecorr.decoding' not in sys.modules")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr

@@ -4,14 +4,26 @@ engine's continuous-batching scheduler; `create_sparse_engines` builds them wher
 ``create_vllm_engines`` would; `parse_rollout_args` reads the launcher's ``--sparsecorr.rollout``
 and engine flags into a ``sparsecorr.decoding.SamplerSpec``.
 
-Importing this package imports neither Ray, vLLM nor OpenRLHF (`actor` needs OpenRLHF's
-``openrlhf.utils.agent``, and so ``aiohttp``, only for ``generate_responses``).
+Importing this package imports nothing heavy: each name loads its module on first use (the
+engine needs transformers; `create_sparse_engines` Ray; the executors of ``generate_responses``
+OpenRLHF's ``openrlhf.utils.agent``, and so ``aiohttp``). Neither vLLM nor Ray is imported by
+the actor itself.
 """
 
-from .actor import SparseRolloutActor, load_executor
-from .engines import actor_kwargs, create_sparse_engines
-from .flags import ENGINE_FLAGS, parse_rollout_args
-from .requests import ActorOutput, CompletionOutput, Logprob, parse_sampling
+from __future__ import annotations
 
-__all__ = ["ENGINE_FLAGS", "ActorOutput", "CompletionOutput", "Logprob", "SparseRolloutActor", "actor_kwargs",
-           "create_sparse_engines", "load_executor", "parse_rollout_args", "parse_sampling"]
+import importlib
+from typing import Any
+
+_WHERE = {"SparseRolloutActor": "actor", "load_executor": "actor", "actor_kwargs": "engines",
+          "create_sparse_engines": "engines", "ENGINE_FLAGS": "flags", "parse_rollout_args": "flags",
+          "ActorOutput": "requests", "CompletionOutput": "requests", "Logprob": "requests",
+          "parse_sampling": "requests"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -21,8 +21,6 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from sparsecorr.decoding.spec import SamplerSpec, spec_from
-
 __all__ = ["ENGINE_FLAGS", "parse_rollout_args"]
 
 ENGINE_FLAGS = ("policy_kwargs", "budget", "schedule", "backend", "cuda_graph", "fused", "prefill_chunk",
@@ -47,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_rollout_args(argv: Sequence[str], *, with_dry_run: bool = False):
-    """Split the rollout flags from the others: ``(SamplerSpec or None, rest)`` (None without
+    """Split the rollout flags from the others: ``(sparsecorr.decoding.SamplerSpec or None, rest)`` (None without
     ``--sparsecorr.rollout``); with ``with_dry_run``, ``(spec, dry_run, rest)``.
 
     Raises:
@@ -71,5 +69,8 @@ def parse_rollout_args(argv: Sequence[str], *, with_dry_run: bool = False):
     for mode in ("cuda_graph", "fused"):
         if mode in given:
             given[mode] = _MODES[given[mode]]
-    spec: SamplerSpec = spec_from({"policy": ns.rollout, **given}, rename=_RENAME)
+    # the engine (and transformers) only when asked for
+    from sparsecorr.decoding.spec import spec_from
+
+    spec = spec_from({"policy": ns.rollout, **given}, rename=_RENAME)
     return (spec, ns.dry_run, rest) if with_dry_run else (spec, rest)
