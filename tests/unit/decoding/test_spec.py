@@ -104,14 +104,14 @@ def test_the_four_surfaces_give_equal_specs():
 def test_each_surface_names_its_own_field():
     from sparsecorr_verl.rollout.options import EngineOptions
 
-    with pytest.raises(ValueError, match="^max_batch_size: expected None or an int >= 1"):
+    with pytest.raises(ValueError, match=r"^max_batch_size: expected None or an int >= 1"):
         EngineOptions(max_batch_size=0)
-    with pytest.raises(ValueError, match="^fused_step: compiles"):
+    with pytest.raises(ValueError, match=r"^fused_step: compiles"):
         EngineOptions(fused_step=True, cuda_graph=False)
     pytest.importorskip("trl")
     from sparsecorr_trl.config import SparseCorrConfig
 
-    with pytest.raises(ValueError, match="^sparse_max_num_seqs: expected None or an int >= 1"):
+    with pytest.raises(ValueError, match=r"^sparse_max_num_seqs: expected None or an int >= 1"):
         SparseCorrConfig(policy="rkv", budget=4, sparse_max_num_seqs=0)
-    with pytest.raises(ValueError, match="^--budget: expected None or an int >= 1"):
+    with pytest.raises(ValueError, match=r"^--budget: expected None or an int >= 1"):
         _cli_spec(["--policy", "rkv", "--budget", "0"])
