@@ -2,14 +2,16 @@
 
 - `SparseCorrServer` (``server.py``): the server actor, an inference copy of the policy and one
   continuous-batching ``sparsecorr.decoding.Scheduler`` behind verl's token-in / token-out
-  ``generate``; the scheduler runs on its own engine thread (`EngineDriver`, ``driver.py``),
+  ``generate``; the scheduler runs on its own engine thread (`EngineDriver`,
+  ``sparsecorr.decoding.driver``, shared with OpenRLHF's sparse rollout actor),
   each request joining the running batch at the next step (``requests.py`` parses them);
 - ``SparseCorrReplica`` (``replica.py``): verl's ``RolloutReplica``, registered as
   ``sparsecorr`` in ``RolloutReplicaRegistry``;
 - ``SparseCorrServerAdapter`` (``adapter.py``): the in-worker rollout verl resolves from
   ``_ROLLOUT_REGISTRY[("sparsecorr", "async")]``, which syncs the actor's weights.
 
-The engine knobs come from ``rollout.engine_kwargs.sparsecorr`` (`EngineOptions`). Importing
+The engine knobs come from ``rollout.engine_kwargs.sparsecorr`` (`EngineOptions`: verl's names
+for ``sparsecorr.decoding.SamplerSpec``). Importing
 this package imports neither verl nor Ray; ``replica`` and ``adapter`` import both.
 """
 
