@@ -267,8 +267,8 @@ def _refuse(setting: str, detail: str) -> None:
 
 
 #: attention-like layer types of ``config.layer_types`` the engine does not serve, by what they are
-_FOREIGN_LAYERS = {"linear_attention": "linear-attention (gated DeltaNet) layers",
-                   "mamba": "state-space (Mamba) layers",
+_FOREIGN_LAYERS = {"linear_attention": "linear-attention / state-space layers",
+                   "mamba": "linear-attention / state-space layers",
                    "chunked_attention": "chunked attention layers", "conv": "convolution layers"}
 #: module class names of layers without a softmax over a KV cache (gated DeltaNet, Mamba, ...)
 _STATE_SPACE = ("Mamba", "DeltaNet", "LinearAttention", "Lightning", "Ssm", "SSM", "Rwkv", "RWKV")
@@ -287,8 +287,9 @@ def _refuse_structure(model, cfg) -> None:
                 f"{family} caches a compressed latent KV of rank {cfg.kv_lora_rank}, not per-head keys and values")
     kinds = set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
     if kinds:
-        what = ", ".join(_FOREIGN_LAYERS.get(k, f"{k!r} layers") for k in sorted(kinds))
-        _refuse(what, f"{family}'s config.layer_types lists {sorted(kinds)}")
+        what = ", ".join(sorted({_FOREIGN_LAYERS.get(k, f"{k!r} layers") for k in kinds}))
+        ssm = sorted({type(m).__name__ for m in model.modules() if any(t in type(m).__name__ for t in _STATE_SPACE)})
+        _refuse(what, f"{family}'s config.layer_types lists {sorted(kinds)}" + (f": {', '.join(ssm)}" if ssm else ""))
     names = {type(m).__name__ for m in model.modules()}
     ssm = sorted(n for n in names if any(t in n for t in _STATE_SPACE))
     if ssm:

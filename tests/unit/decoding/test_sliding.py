@@ -10,11 +10,23 @@ the engine's other parity tests; log-probs within 1e-5 (float32, a different sum
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
 
-from sparsecorr.decoding import RKV, BlockTopK, Dense, SnapKV, StreamingLLM, generate, teacher_forced_logprobs
+import sparsecorr.decoding.engine as engine_mod
+from sparsecorr.decoding import (
+    RKV,
+    BlockTopK,
+    Dense,
+    SnapKV,
+    StreamingLLM,
+    generate,
+    teacher_forced_logprobs,
+)
+from sparsecorr.decoding.backends import TorchBackend
 from sparsecorr.decoding.engine import Engine
 from sparsecorr.decoding.hf import model_spec
 
@@ -83,19 +95,17 @@ def test_dense_greedy_equals_hf_generate_with_a_wrapping_ring(models, name, chun
 
 
 def test_a_wrong_window_would_be_seen(models, monkeypatch):
-    """The equality above can fail: the same decode with a ring window one larger differs from HF."""
+    """The equality above can fail: the same decode with a narrower ring window differs from HF."""
     model = _model(models, "gpt_oss")
     ids = _ids()
     ref = hf_greedy(model, ids, 12)
-    import sparsecorr.decoding.engine as engine_mod
     real = engine_mod.model_spec
 
-    def wider(m):
-        import dataclasses
+    def narrower(m):
         s = real(m)
         return dataclasses.replace(s, window=s.window - 3)
 
-    monkeypatch.setattr(engine_mod, "model_spec", wider)
+    monkeypatch.setattr(engine_mod, "model_spec", narrower)
     out = generate(model, ids, policy=Dense(), budget=None, max_new_tokens=12, temperature=0.0, backend="torch",
                    prefill_chunk=4)
     assert not torch.equal(out.tokens, ref)
@@ -195,7 +205,6 @@ def test_all_sliding_models_run_no_policy(models):
 def test_a_forward_longer_than_the_ring_was_sized_for_is_refused(models):
     model = _model(models, "gpt_oss")
     table = torch.full((40,), -1, dtype=torch.long)
-    from sparsecorr.decoding.backends import TorchBackend
     engine = Engine(model, policy=Dense(), backend=TorchBackend(), table=table, batch=1, capacity=40, grad=False,
                     chunk=2)
     assert engine.ring.slots == WINDOW + 1
