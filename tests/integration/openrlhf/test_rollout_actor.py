@@ -113,6 +113,14 @@ def test_prompts_and_actor_arguments_refused_by_name(actor, ckpt):
         asyncio.run(actor.generate_responses("w5", None, openrlhf_params(), 32, None, images=[object()]))
     with pytest.raises(ValueError, match="update_weight_cuda_ipc: CUDA IPC"):
         asyncio.run(actor.update_weight_cuda_ipc("lm_head.weight", torch.float32, (128, 64), {}))
+    with pytest.raises(ValueError, match="use_ray: OpenRLHF's stateless group is NCCL"):
+        asyncio.run(actor.init_process_group("127.0.0.1", 29555, 1, 2, "openrlhf", backend="gloo", use_ray=False))
+    with pytest.raises(ValueError, match="rank_offset/world_size"):
+        asyncio.run(actor.init_process_group("127.0.0.1", 29555, 0, 2, "openrlhf", backend="gloo", use_ray=True))
+    with pytest.raises(RuntimeError, match="call init_process_group first"):
+        asyncio.run(actor.update_weight("lm_head.weight", torch.float32, (128, 64)))
+    with pytest.raises(ValueError, match="tags: expected some of"):
+        asyncio.run(actor.wake_up(tags=["everything"]))
     with pytest.raises(ValueError, match=r"tensor_parallel_size: .* expected 1, got 2"):
         SparseRolloutActor(str(ckpt), sampler=ENGINE, max_model_len=48, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="mm_pad_token_ids"):
