@@ -12,7 +12,7 @@ import torch
 import transformers
 from transformers.masking_utils import sliding_window_causal_mask_function
 
-from sparsecorr.decoding import RKV, BlockTopK, Dense, generate
+from sparsecorr.decoding import RKV, BlockTopK, Dense, generate, teacher_forced_logprobs
 from sparsecorr.decoding.hf import model_spec
 from sparsecorr.decoding.pool import WindowRing
 from tests.unit.decoding.test_sliding import WINDOW, _ids, hf_greedy, hybrid
@@ -156,3 +156,18 @@ def test_every_layer_kind_of_the_tiny_families():
         assert (spec.sliding, spec.window, spec.softcap, spec.sinks) == (sliding, WINDOW, softcap, sinks), name
     assert model_spec(hybrid("mistral")).full == ()
     assert isinstance(transformers.__version__, str)
+
+
+def test_the_sinks_gradient_reaches_every_layers_parameter(gpt_oss):
+    """With ``grad=True`` the sliding and the full layers' sinks (the module parameters, passed
+    to the backend) get a gradient from the sparse log-probs."""
+    ids, resp = _ids(), _ids(p=8, seed=6)
+    out = teacher_forced_logprobs(gpt_oss, ids, resp, policy=RKV(window=3, buffer=3), budget=6, grad=True,
+                                  backend="torch", prefill_chunk=4)
+    try:
+        out.rollout_logp.sum().backward()
+        sinks = [m.sinks for m in gpt_oss.modules() if getattr(m, "sinks", None) is not None]
+        assert len(sinks) == model_spec(gpt_oss).layers
+        assert all(s.grad is not None and bool(s.grad.abs().sum() > 0) for s in sinks)
+    finally:
+        gpt_oss.zero_grad(set_to_none=True)
