@@ -40,7 +40,7 @@ import torch
 
 from .requests import RequestOutput, RequestParams
 
-__all__ = ["DriverRequest", "EngineDriver", "aborted_output", "copy_weights"]
+__all__ = ["DriverRequest", "EngineDriver", "aborted_output", "copy_weights", "load_inference_copy"]
 
 logger = logging.getLogger("sparsecorr.decoding")
 
@@ -335,3 +335,23 @@ def copy_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             copied += 1
     return copied
+
+
+def load_inference_copy(path: str, *, device: torch.device, dtype: str = "bfloat16",
+                        where: str = "dtype") -> torch.nn.Module:
+    """A server's inference copy: ``path``'s causal LM on ``device`` (``dtype`` on CUDA, the
+    checkpoint's own dtype elsewhere), in eval mode with every parameter frozen.
+
+    The attention implementation is transformers' default for the model (SDPA where the model
+    supports it, eager otherwise: GPT-OSS refuses SDPA); the engine swaps in its own attention
+    for its forwards either way. ``where`` names the setting in the error for a bad ``dtype``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype, None) if device.type == "cuda" else "auto"
+    if device.type == "cuda" and not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"{where}: expected a torch dtype name such as 'bfloat16', got {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model

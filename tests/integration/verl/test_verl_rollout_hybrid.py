@@ -1,9 +1,9 @@
 """``SparseCorrServer`` (``rollout.name=sparsecorr``) serving a hybrid family (issue #52): a tiny
 Gemma 3 checkpoint (sliding-window layers beside full ones; window 8 < prompt + response, so the
 ring wraps) loaded the way verl hands it over; 8 concurrent greedy requests under RKV each equal
-a direct ``generate`` of their prompt. GPT-OSS (sinks too) is the same test, expected to fail
-until the server's loader stops asking for SDPA, which transformers' GPT-OSS does not implement
-(``_supports_sdpa = False`` in 5.9 and 5.24). Needs Ray and verl, like the other
+a direct ``generate`` of their prompt; the same for GPT-OSS (sinks too), which the server loads
+with transformers' default attention (GPT-OSS has no SDPA: ``_supports_sdpa = False`` in 5.9 and
+5.24). Needs Ray and verl, like the other
 ``test_verl_rollout_*`` files (``make test-lowest``)."""
 
 from __future__ import annotations
@@ -31,13 +31,7 @@ def verl_ray():
     need_verl_and_ray()
 
 
-_GPT_OSS_SDPA = ("sparsecorr_verl.rollout.load_policy_copy loads with attn_implementation='sdpa', which "
-                 "GptOssForCausalLM refuses (ValueError); the loader should fall back to 'eager' (the "
-                 "engine replaces the attention anyway)")
-
-
-@pytest.mark.parametrize("name", ["gemma3", pytest.param("gpt-oss", marks=pytest.mark.xfail(
-    raises=ValueError, strict=True, reason=_GPT_OSS_SDPA))])
+@pytest.mark.parametrize("name", ["gemma3", "gpt-oss"])
 def test_hybrid_family_served_equals_direct_generate(name, tmp_path):
     assert max(len(p) for p in PROMPTS) + MAX_TOKENS > WINDOW  # the sliding layers' ring wraps
     model = build(family(name), max_position_embeddings=64)

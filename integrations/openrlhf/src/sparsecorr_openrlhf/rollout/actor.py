@@ -80,14 +80,11 @@ def _own_gpu() -> None:
 def _load(path: str, *, device: torch.device, dtype: str):
     """The inference copy (``dtype`` on CUDA, the checkpoint's own elsewhere), frozen, in eval
     mode; its tokenizer (None when the directory has none) and its stop tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
-    torch_dtype = getattr(torch, dtype, None) if device.type == "cuda" else "auto"
-    if device.type == "cuda" and not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"dtype: expected a torch dtype name such as 'bfloat16', got {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
-    model.to(device).eval()
-    model.requires_grad_(False)
+    from sparsecorr.decoding.driver import load_inference_copy
+
+    model = load_inference_copy(path, device=device, dtype=dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception:  # a checkpoint without a tokenizer: outputs carry no text

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from sparsecorr.decoding.driver import EngineDriver, copy_weights
+from sparsecorr.decoding.driver import EngineDriver, copy_weights, load_inference_copy
 
 from .options import EngineOptions, engine_options
 from .requests import parse_request
@@ -62,17 +62,9 @@ def _field(config: Any, name: str, default: Any = None) -> Any:
 
 
 def load_policy_copy(path: str, *, device: torch.device, dtype: str = "bfloat16") -> torch.nn.Module:
-    """The inference copy: ``path``'s causal LM on ``device`` (``dtype`` on CUDA, the checkpoint's
-    own dtype elsewhere), in eval mode with every parameter frozen."""
-    from transformers import AutoModelForCausalLM
-
-    torch_dtype = getattr(torch, dtype) if device.type == "cuda" else "auto"
-    if device.type == "cuda" and not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"rollout.dtype: expected a torch dtype name such as 'bfloat16', got {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
-    model.to(device).eval()
-    model.requires_grad_(False)
-    return model
+    """The inference copy: `sparsecorr.decoding.driver.load_inference_copy` (``dtype`` on CUDA,
+    the checkpoint's own elsewhere; transformers' default attention for the model)."""
+    return load_inference_copy(path, device=device, dtype=dtype, where="rollout.dtype")
 
 
 class _Gate:
