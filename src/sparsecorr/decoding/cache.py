@@ -10,6 +10,13 @@ by every layer; none at all for a single-token step of equal-length rows). What 
 its state's hooks (`sparsecorr.decoding.policies.state.PolicyState`); a paged backend reads
 single-token steps through page tables. Positions are passed explicitly, so RoPE is right after
 eviction.
+
+Layer kinds (`sparsecorr.decoding.hf.ModelSpec`): a full-attention layer writes into the pool and
+attends through the policy's state, which sees pool layer indices only; a sliding-window layer
+writes into the `sparsecorr.decoding.pool.WindowRing` and attends its window (the step's first
+sliding layer records the chunk's ring positions and makes the mask the others share). A model
+with learned sinks or a logit soft cap sees its backend through `_Features`, so every
+``attend`` / ``decode`` call (a policy's own included) gets them.
 """
 
 from __future__ import annotations

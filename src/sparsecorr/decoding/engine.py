@@ -14,6 +14,10 @@ schedule called per step.
 - **Teacher forcing** feeds the forced tokens in chunks that end exactly where some row's next
   compression is due (``tokens_until_compress``), so the kept set seen by every token is the one
   the one-token-per-step loop sees, with one forward per chunk instead of per token.
+
+A model with sliding-window layers (Gemma 2/3, GPT-OSS, EXAONE 4, Mistral / Qwen2 with a window)
+keeps them in a ring of ``window + chunk - 1`` slots beside the full layers' pool; the policy
+runs on the full layers only (see `Engine`).
 """
 
 from __future__ import annotations

@@ -140,7 +140,8 @@ class EagerRunner:
 def _graph_forward(model, cache, step: Step, ids: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """The captured decode forward: reads the whole pool, the row lengths in a mask built from
     the static device counts, and the policy's per-step device work (`PolicyState.derive`) inside
-    the graph; ``fused``: the model's forward compiled (`sparsecorr.decoding.fused`). Closes over
+    the graph (a sliding-window model's ring positions and window mask too, made by its first
+    sliding layer from the static ``ring_slots`` / ``ring_pos``); ``fused``: the model's forward compiled (`sparsecorr.decoding.fused`). Closes over
     no engine (see the module's *Ownership*)."""
     cap = cache.pool.capacity
     step.mask = (torch.arange(cap, device=ids.device) <= step.counts[:, None])[:, None, None, :]

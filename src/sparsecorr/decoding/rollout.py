@@ -53,7 +53,9 @@ class RolloutBatch:
         kv_kept: ``[B, T]`` mean attended KV length (over layers and KV heads).
         finish_reason: per row ``"eos"``, ``"length"``, ``"pruned"`` or ``"empty"`` (no prompt).
         peak_kv_bytes: largest KV cache in use during generation (bytes of the slots read by a
-            forward, all layers; the preallocated pool is ``meta["kv_pool_bytes"]``).
+            forward, all layers; the preallocated pool is ``meta["kv_pool_bytes"]``). A model
+            with sliding-window layers: full layers' slots plus each sliding layer's window
+            union, split in ``meta["peak_kv"]``.
         pruned: ``[B]`` bool, stopped by a pruner.
         pruned_at: ``[B]`` generated length at which the row was pruned (-1 if not).
         meta: policy, backend, dtype, seed, sampling settings, prefill and decode wall time (s).
@@ -217,7 +219,9 @@ class KeptSets:
 
     Event ``e`` is batch row ``rows[e]`` compressing at context length ``context[e]`` (prompt
     plus fed tokens); ``positions[e, l, h]`` lists the true positions layer ``l``'s KV head ``h``
-    kept, ascending, padded with -1. Keyed by (row, context), events are independent of how the
+    kept, ascending, padded with -1. On a model with sliding-window layers ``l`` runs over every
+    layer: a sliding layer's entry lists the positions its ring holds inside the window of the
+    last fed token (the last ``min(window, context)``); a replay forces the full layers' sets only. Keyed by (row, context), events are independent of how the
     engine batched and chunked the rows, so a teacher-forced replay can be given the decode's
     sets (``teacher_forced_logprobs(..., keep_sets=...)``) and then sees exactly the tokens the
     sampler saw: what is left between the two is numerics, not selection.
