@@ -146,3 +146,28 @@ def test_graph_step_on_the_paged_path(family, cpu_graphs):
     hf = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=2, pad_token_id=0)[:, PROMPT:]
     for row, n in enumerate(out.lengths.tolist()):
         assert torch.equal(hf[row, :n], out.tokens[row, :n])
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "gemma2", "gemma3"])
+def test_generate_tells_auto_the_family_features(name, monkeypatch):
+    """``generate`` hands ``select_backend`` the model's sinks / soft-cap (GPT-OSS, Gemma 2), and
+    nothing for a family without them; a fake-CUDA, fake-installed FlashInfer then keeps
+    FlashInfer for them (its kernels compute both) at a head dim it is built for."""
+    import importlib
+
+    from sparsecorr.decoding.backends import flashinfer as fi
+    from sparsecorr.decoding.backends import select_backend
+    from tests.unit.decoding.families import family
+
+    gen = importlib.import_module("sparsecorr.decoding.generate")
+    seen = []
+    real = gen.select_backend
+    monkeypatch.setattr(gen, "select_backend", lambda name, **kw: seen.append(kw) or real(name, **kw))
+    fam = family(name)
+    generate(build(fam), _ids(b=1), policy=Dense(), budget=None, max_new_tokens=2, temperature=0)
+    want = {**({"sinks": True} if fam.sinks else {}), **({"softcap": fam.softcap} if fam.softcap else {})}
+    assert {k: seen[0][k] for k in ("sinks", "softcap") if k in seen[0]} == want
+    monkeypatch.setattr(fi, "flashinfer_status", lambda: (True, "ok"))
+    monkeypatch.setattr(fi, "require_flashinfer", lambda: None)
+    kw = {**seen[0], "device": "cuda", "dtype": torch.bfloat16, "head_dim": 64}
+    assert select_backend("auto", **kw)[1] == "flashinfer"
