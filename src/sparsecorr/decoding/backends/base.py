@@ -5,7 +5,10 @@ The engine owns the cache, the policies and sampling; a backend only computes
 \[ o = \mathrm{softmax}\big(s \, q k^\top + \log \mathbb{1}[\text{allowed}]\big)\, v \]
 
 for each query head over the KV slots it may attend to (GQA: query head ``h`` reads KV head
-``h // G``). ``torch`` runs it with ``scaled_dot_product_attention`` in the model's dtype (CPU
+``h // G``), with two optional variants: ``softcap`` \(c\) replaces the scaled logits by
+\(c \tanh(\ell / c)\) before the mask (Gemma 2), and ``sinks`` \(s_h\) (one logit per query
+head, natural-log units) joins the softmax denominator with no value (GPT-OSS):
+\(o = \sum_j e^{\ell_j} v_j / (\sum_j e^{\ell_j} + e^{s_h})\). ``torch`` runs it with ``scaled_dot_product_attention`` in the model's dtype (CPU
 and CUDA), ``reference`` in float32 with explicit einsums (the oracle), and the FlashInfer
 backend (GPU) runs decode steps through paged kernels (`.paged`).
 """
@@ -34,11 +37,12 @@ class AttentionBackend(Protocol):
     decode steps through page tables instead.
 
     Shapes:
-        query: ``[B, H_q, Q, D]``; key, value: ``[B, H_kv, S, D]`` -> output ``[B, H_q, Q, D]``
-        in the query's dtype.
+        query: ``[B, H_q, Q, D]``; key, value: ``[B, H_kv, S, D]``; sinks: ``[H_q]`` -> output
+        ``[B, H_q, Q, D]`` in the query's dtype.
     """
 
     name: str
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               allowed: torch.Tensor | CausalBias | None, *, scaling: float) -> torch.Tensor: ...
+               allowed: torch.Tensor | CausalBias | None, *, scaling: float, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor: ...
