@@ -306,7 +306,10 @@ def sparsecorr_attention(layer: int, query, key, value, scaling: float, sinks: t
         if sinks is None:
             return torch.ops.sparsecorr.attend(query, key, value, layer, scaling)
         return torch.ops.sparsecorr.attend(query, key, value, layer, scaling, sinks)
-    return active().attend(layer, query, key, value, scaling, sinks)
+    cache = active()
+    if sinks is None:  # the five-argument call of a model without sinks
+        return cache.attend(layer, query, key, value, scaling)
+    return cache.attend(layer, query, key, value, scaling, sinks=sinks)
 
 
 class _Features:

@@ -32,7 +32,7 @@ from .cache import SparseKVCache, Step
 from .fused import fused_status
 from .graphs import CaptureSpec, DecodeGraphs
 from .hf import forward, model_spec
-from .policies import Dense, KVPolicy
+from .policies import KVPolicy
 from .policies.state import PlanInputs
 from .pool import KVPool, WindowRing, ring_slots
 
@@ -96,8 +96,8 @@ class Engine:
     pool and run the policy (its state sees pool layer indices ``0 .. L_full - 1``); the
     sliding-window layers live in a `WindowRing` of ``min(window + chunk - 1, longest)`` slots
     and attend their window, as the model's own attention does. A model whose layers all slide
-    has nothing for a policy to bound (the window does): the engine runs ``Dense()`` on it, over
-    an empty pool.
+    has nothing for a policy to bound (the window does): the engine runs the base `KVPolicy`
+    (dense, no state) on it, over an empty pool.
 
     The engine owns the pool, the graphs and the backend's per-call state; `close` drops them
     all (``generate`` calls it in a ``finally``), and no reference cycle runs through it, so
@@ -109,7 +109,7 @@ class Engine:
                  rows: torch.Tensor | None = None, chunk: int | None = None) -> None:
         self.spec = spec = model_spec(model)  # refuses attention variants it would get wrong
         if not spec.full:  # every layer slides: the window bounds the cache, no policy runs
-            policy, capacity = Dense(), table.numel()
+            policy, capacity = KVPolicy(), table.numel()  # the base policy: dense, no state
         self.model, self.policy, self.table = model, policy, table
         self.n_layers, self.heads_q, self.heads_kv = len(spec.full), spec.heads_q, spec.heads_kv
         self.head_dim = spec.head_dim

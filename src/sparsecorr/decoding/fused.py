@@ -84,7 +84,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     """
     cache = active()
     k, v = cache.write(layer, key, value)
-    return cache.attend(layer, query, k, v, scaling, sinks).contiguous()
+    out = cache.attend(layer, query, k, v, scaling) if sinks is None else \
+        cache.attend(layer, query, k, v, scaling, sinks=sinks)
+    return out.contiguous()
 
 
 @attend.register_fake

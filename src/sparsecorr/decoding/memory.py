@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .hf import model_spec
-from .policies import Dense, KVPolicy
+from .policies import KVPolicy
 from .pool import KVPool, WindowRing, ring_slots
 from .validate import budget_table
 
@@ -65,8 +65,8 @@ def row_bytes(model, policy: KVPolicy, table: torch.Tensor, capacity: int, *,
     spec = model_spec(model)
     dtype = next(model.parameters()).dtype
     meta = torch.device("meta")
-    if not spec.full:  # as Engine: the window bounds every layer, Dense over an empty pool
-        policy, capacity = Dense(), table.numel()
+    if not spec.full:  # as Engine: the window bounds every layer, the base (dense) policy over an empty pool
+        policy, capacity = KVPolicy(), table.numel()
     longest = max(table.numel() - 1, 1)
     sizes = []
     for batch in (1, 2):
