@@ -121,6 +121,31 @@ def test_rescue_claim_needs_the_collapse_resolved():
     assert f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}] over 16 seeds" in text
 
 
+def test_a_rescue_that_stops_short_of_dense_is_partly_rescued():
+    """Uncorrected far below dense, corrected within the seeds' (large, shared) spread of dense
+    but below it on every seed: the paired interval says the correction closes part of the gap,
+    so the regime is 'partly rescued' and the rescue claim does not hold; the R-KV claim (the
+    correction's own effect) still does, and says both intervals."""
+    shared = _noise(5, sd=0.1)
+    dense = [0.35 + x for x in shared]
+    pair = {"rkv16@64/none": [d - 0.15 + x for d, x in zip(dense, _noise(7, sd=0.01))],
+            "rkv16@64/sparse_rl": [d - 0.05 + x for d, x in zip(dense, _noise(8, sd=0.01))]}
+    by = _study({"dense": [0.6 + x for x in _noise(9, sd=0.02)], "dense@64": dense, **pair})
+    (e,) = verdicts.correction_effects(by)
+    assert (e["unc_vs_dense"], e["cor_vs_dense"], e["resolved"]) == ("below", "within", 1)
+    assert e["regime"] == "partly rescued"
+    _, ok, text = verdicts._correction_rescues(by, 15)
+    assert ok is False and "rkv16@64: partly rescued" in text
+    assert "corrected training still ends below dense (resolved)" in text
+    _, ok, text = verdicts._rkv_correction(by)
+    assert ok is True and "recovers part of the gap" in text
+    # the same pair reaching dense on average: rescued, and the claim holds
+    pair["rkv16@64/sparse_rl"] = [d + x for d, x in zip(dense, _noise(8, sd=0.01))]
+    by = _study({"dense": [0.6 + x for x in _noise(9, sd=0.02)], "dense@64": dense, **pair})
+    assert verdicts.correction_effects(by)[0]["regime"] == "rescued"
+    assert verdicts._correction_rescues(by, 15)[1] is True
+
+
 def test_rkv_claim_follows_its_pair():
     by = _deciding(0.12, 0.12, rkv_effect=0.15)
     name, ok, text = verdicts._rkv_correction(by)
