@@ -1,4 +1,4 @@
-"""The end-to-end demo behind ``sparsecorr demo``: calibrate -> fit -> five GRPO arms (x seeds) -> report.
+"""The end-to-end demo behind ``sparsecorr demo``: calibrate -> fit -> GRPO arms (sampler x correction, x seeds) -> report.
 
 It trains with [`SparseGRPOTrainer`][sparsecorr_trl.SparseGRPOTrainer], so it ships with the TRL
 glue (``pip install 'sparsecorr[demo]'``); the ``sparsecorr`` CLI finds its subcommand
