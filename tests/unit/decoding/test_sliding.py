@@ -26,7 +26,8 @@ from sparsecorr.decoding import (
     generate,
     teacher_forced_logprobs,
 )
-from sparsecorr.decoding.backends import TorchBackend
+from sparsecorr.decoding.backends import PagedBackend, TorchBackend
+from sparsecorr.decoding.backends.paged import ReferenceDecodeKernel
 from sparsecorr.decoding.engine import Engine
 from sparsecorr.decoding.hf import model_spec
 
@@ -210,3 +211,19 @@ def test_a_forward_longer_than_the_ring_was_sized_for_is_refused(models):
     assert engine.ring.slots == WINDOW + 1
     with pytest.raises(ValueError, match="chunk: expected at most 2 tokens per forward"):
         engine.plan(3, torch.tensor([3]), decode=False)
+
+
+@pytest.mark.parametrize("policy", [pytest.param(Dense(), id="dense"), pytest.param(RKV(window=3, buffer=3), id="rkv"),
+                                    pytest.param(BlockTopK(page_size=2, keep_last_pages=1, dense_layers=0),
+                                                 id="block_topk")])
+def test_the_paged_path_serves_the_full_layers_of_a_hybrid_model(models, policy):
+    """Single-token steps read the full layers through the page tables (the float32 paged oracle
+    as the kernel, sinks included) and the sliding layers through their ring: = the torch backend."""
+    model = _model(models, "gpt_oss")
+    ids = _ids(b=3)
+    kw = dict(policy=policy, budget=None if policy.ignores_budget else 6, max_new_tokens=12, temperature=0.0,
+              prefill_chunk=4)
+    ref = generate(model, ids, backend=TorchBackend(), **kw)
+    got = generate(model, ids, backend=PagedBackend(ReferenceDecodeKernel, name="paged-oracle"), **kw)
+    assert torch.equal(got.tokens, ref.tokens)
+    torch.testing.assert_close(got.rollout_logp, ref.rollout_logp, atol=2e-5, rtol=0)
