@@ -9,7 +9,9 @@ schedule called per step.
 
 - **Prefill** feeds the prompt in chunks of ``prefill_chunk`` tokens and compresses between
   chunks, so an eviction policy's cache never holds more than ``budget + buffer +
-  prefill_chunk`` slots; logits are computed only at each row's last prompt token.
+  prefill_chunk`` slots; logits are computed only at each row's last prompt token. A policy
+  with ``compress_in_prefill`` False (``RKV(variant="sparse_rl")``) keeps the whole prompt: its
+  first compression is the first decode step past ``budget + buffer``.
 - **Decode** feeds one token per row.
 - **Teacher forcing** feeds the forced tokens in chunks that end exactly where some row's next
   compression is due (``tokens_until_compress``), so the kept set seen by every token is the one
@@ -33,6 +35,7 @@ from .fused import fused_status
 from .graphs import CaptureSpec, DecodeGraphs
 from .hf import forward, model_spec
 from .policies import KVPolicy
+from .policies.base import row_capacity
 from .policies.state import PlanInputs
 from .pool import KVPool, WindowRing, ring_slots
 
@@ -42,9 +45,12 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "backend_features", "layer_groups", "pool_capacity"]
 
 
-def pool_capacity(policy: KVPolicy, table: torch.Tensor, *, longest: int, chunk: int) -> int:
-    """Most slots a row can hold (the policy answers: `KVPolicy.capacity`)."""
-    return policy.capacity(table, longest=longest, chunk=chunk)
+def pool_capacity(policy: KVPolicy, table: torch.Tensor, *, longest: int, chunk: int,
+                  prompt: int | None = None) -> int:
+    """Most slots a row can hold (the policy answers, `KVPolicy.capacity`; with the whole prompt
+    of ``prompt`` tokens where the policy keeps it through the prefill:
+    `sparsecorr.decoding.policies.base.row_capacity`)."""
+    return row_capacity(policy, table, longest=longest, chunk=chunk, prompt=prompt)
 
 
 def backend_features(spec) -> dict:
@@ -261,9 +267,13 @@ class Engine:
         self.ctx += real
         return out
 
-    def compress_due(self) -> None:
+    def compress_due(self, *, prefill: bool = False) -> None:
         """Evict the rows whose cache exceeds what the policy allows at their context length
-        (`KVPolicy.due`: ``budget + buffer`` for an eviction policy; never for the others)."""
+        (`KVPolicy.due`: ``budget + buffer`` for an eviction policy; never for the others).
+        ``prefill``: called between prefill chunks, where a policy with ``compress_in_prefill``
+        False (Sparse-RL's ``RKV``) keeps every prompt token: nothing is evicted."""
+        if prefill and not self.policy.compress_in_prefill:
+            return
         hit = self.policy.due(self.count, self.ctx, budget_at=self.budget_at)
         if hit is None:  # the policy never compresses
             return

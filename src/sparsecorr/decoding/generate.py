@@ -99,7 +99,8 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     table = budget_table(budget, dense=policy.ignores_budget, longest=longest)
     chunk = prefill_chunk or int(lens.max())
     engine = Engine(model, policy=policy, backend=back, table=table, batch=live.numel(),
-                    capacity=pool_capacity(policy, table, longest=longest, chunk=chunk), grad=grad,
+                    capacity=pool_capacity(policy, table, longest=longest, chunk=chunk, prompt=int(lens.max())),
+                    grad=grad,
                     cuda_graph=cuda_graph, fused=fused, rows=live,
                     chunk=max(chunk, chunk_size or 1))  # the most tokens a forward feeds (the ring's size)
     engine.kept_events = [] if record_keep else None
@@ -213,7 +214,9 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: to
         prefill_chunk: prompt tokens per prefill forward (None = the whole prompt at once).
             Eviction policies compress between chunks, so their cache never exceeds
             ``budget + buffer + prefill_chunk`` slots; with one chunk the prompt is compressed
-            once, after it is read.
+            once, after it is read. ``RKV(variant="sparse_rl")`` keeps the whole prompt instead
+            (``compress_in_prefill`` False): its pool holds ``max(longest prompt + 1, budget +
+            buffer + prefill_chunk)`` slots per row, at most the context.
         cuda_graph: replay each single-token decode step as a CUDA graph (CUDA only, no pruner;
             see [`sparsecorr.decoding.graphs`][sparsecorr.decoding.graphs]). A model on another
             device is refused with a ValueError (there is no CPU fallback). Falls back to eager

@@ -79,7 +79,8 @@ def prefill(engine: Engine, ids: torch.Tensor, lens: torch.Tensor, chunk: int) -
     """Feed right-aligned prompts in chunks; logits at each row's last prompt token.
 
     Only the positions where some row's prompt ends are projected onto the vocabulary. Eviction
-    policies compress between chunks.
+    policies compress between chunks, unless they keep the prompt whole
+    (``compress_in_prefill`` False: `Engine.compress_due`'s ``prefill``).
 
     Shapes:
         ids ``[B, P]`` (device); lens ``[B]`` (CPU, each >= 1) -> logits ``[B, V]``.
@@ -99,7 +100,7 @@ def prefill(engine: Engine, ids: torch.Tensor, lens: torch.Tensor, chunk: int) -
             got = out.logits[rows.to(dev), torch.searchsorted(cols, end[rows]).to(dev)]
             last = got.new_zeros(b, got.shape[-1]) if last is None else last
             last = last.index_put((rows.to(dev),), got)
-        engine.compress_due()
+        engine.compress_due(prefill=True)
     return last
 
 

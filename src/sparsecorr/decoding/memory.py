@@ -27,6 +27,7 @@ import torch
 
 from .hf import model_spec
 from .policies import KVPolicy
+from .policies.base import row_capacity
 from .pool import KVPool, WindowRing, ring_slots
 from .validate import budget_table
 
@@ -126,13 +127,16 @@ def plan_memory(*, per_row: int, fixed: int, capacity: int, device: torch.device
 
 
 def plan_for(model, policy: KVPolicy, budget, *, longest: int, chunk: int, max_num_seqs: int | None,
-             max_kv_bytes: int | None, extra_rows: int = 1) -> tuple[torch.Tensor, MemoryPlan]:
+             max_kv_bytes: int | None, extra_rows: int = 1,
+             prompt: int | None = None) -> tuple[torch.Tensor, MemoryPlan]:
     """The budget table (budget by context length, as ``generate`` builds it) and the memory plan
     of rows of ``longest`` tokens read in prefill chunks of ``chunk``: each row's capacity is
-    `KVPolicy.capacity`, its bytes `row_bytes`, the rows `plan_memory` (``extra_rows``: the
-    scheduler's pristine row; 0 for a one-pool ``generate``)."""
+    `KVPolicy.capacity` (`sparsecorr.decoding.policies.base.row_capacity`: with the whole prompt
+    of up to ``prompt`` tokens, None = ``longest - 1``, for a policy that keeps it through the
+    prefill), its bytes `row_bytes`, the rows `plan_memory` (``extra_rows``: the scheduler's
+    pristine row; 0 for a one-pool ``generate``)."""
     table = budget_table(budget, dense=policy.ignores_budget, longest=longest)
-    capacity = policy.capacity(table, longest=longest, chunk=chunk)
+    capacity = row_capacity(policy, table, longest=longest, chunk=chunk, prompt=prompt)
     per, fixed = row_bytes(model, policy, table, capacity, chunk=chunk)
     device = next(model.parameters()).device
     return table, plan_memory(per_row=per, fixed=fixed, capacity=capacity, device=device, max_num_seqs=max_num_seqs,

@@ -13,7 +13,8 @@ dummy rows), so every forward has one batch size. Each `step`:
    ``prefill_chunk`` tokens of each such row, ``real = 0`` for the others: decoding rows wait
    one forward, so a forward is never mixed and each row's tokens see the forward kinds they see
    alone, which matters to a selection policy that attends differently in prefill and decode);
-   else one token for every decoding row. ``compress_due`` runs after it, as in ``generate``;
+   else one token for every decoding row. ``compress_due`` runs after it, as in ``generate``
+   (after a prefill chunk not for a policy that keeps the prompt whole: ``compress_in_prefill``);
 3. **sample** each row whose logits are ready with its own request's parameters
    (`sparsecorr.decoding.sampling.sample_rows`);
 4. **retire** at once the rows that sampled a stop token or reached ``max_tokens``: the slot is
@@ -22,7 +23,11 @@ dummy rows), so every forward has one batch size. Each `step`:
 A row's arithmetic reads nothing of its neighbours (its own slots, its own policy state), and a
 seeded request owns a ``torch.Generator`` seeded with its seed, so a request's tokens do not
 depend on who shares its steps or when it arrived (log-probs: up to float rounding of different
-batch shapes). The memory plan (`sparsecorr.decoding.memory`) sizes ``plan.rows``.
+batch shapes). The memory plan (`sparsecorr.decoding.memory`) sizes ``plan.rows``. It is made
+before any prompt is seen, so a policy that keeps the prompt whole through the prefill
+(``RKV(variant="sparse_rl")``, ``compress_in_prefill`` False) is planned for the longest prompt
+``max_model_len`` allows (``max_model_len - 1`` tokens, one left to generate): a row of
+``max_model_len`` slots, the whole context, not ``budget + buffer + prefill_chunk``.
 
 Cost: every forward runs over all ``plan.rows + 1`` rows (free rows as padding), so a prefill
 chunk for one new row costs ``(rows + 1) · chunk`` tokens of MLP; an admission copies the
@@ -99,8 +104,9 @@ class Scheduler:
         self.model, self.policy, self.backend_name = model, policy, backend
         self.max_model_len, self.chunk, self.cuda_graph = max_model_len, prefill_chunk, cuda_graph
         self.fused = cuda_graph if fused is None else fused
+        # prompts are not known yet: the longest one a request may bring (max_tokens >= 1)
         self.table, self.plan = plan_for(model, policy, budget, longest=max_model_len, chunk=prefill_chunk,
-                                         max_num_seqs=max_num_seqs, max_kv_bytes=max_kv_bytes)
+                                         prompt=max_model_len - 1, max_num_seqs=max_num_seqs, max_kv_bytes=max_kv_bytes)
         self.eos = frozenset(int(t) for t in eos)
         self.generator = device_generator(generator, self.device)
         self.engine: Engine | None = None
@@ -190,7 +196,7 @@ class Scheduler:
                     active_cache(self.engine.cache), torch.no_grad():
                 ready, logits = self._prefill(prefill) if prefill else self._decode(running)
                 tok, lp, top = sample_rows(logits, [r.samp for r in ready], self.generator) if ready else (None,) * 3
-                self.engine.compress_due()
+                self.engine.compress_due(prefill=bool(prefill))
         except Exception as exc:  # this forward's rows fail; the others go on
             traceback.clear_frames(exc.__traceback__)  # its frames hold pool tensors: not kept alive
             outs = []

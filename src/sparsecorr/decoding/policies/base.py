@@ -27,7 +27,7 @@ from ..kernels import window_votes
 from .state import PolicyState
 
 __all__ = ["EvictionPolicy", "KVPolicy", "KeepSet", "check_int", "check_scores", "compress", "group_scores",
-           "hook_name", "matmul_f32", "merge_rows", "split_rows"]
+           "hook_name", "matmul_f32", "merge_rows", "row_capacity", "split_rows"]
 
 Kind = Literal["dense", "eviction", "selection"]
 
@@ -58,6 +58,14 @@ class KVPolicy:
     @property
     def evicts(self) -> bool:
         return self.kind == "eviction"
+
+    @property
+    def compress_in_prefill(self) -> bool:
+        """Whether the engine runs `due` / compression between prefill chunks (True, the default:
+        an eviction policy's prompt is compressed as it is read). False: the prompt is kept whole
+        and the first compression is the first decode step past the trigger, as Sparse-RL's fork
+        does (``RKV(variant="sparse_rl")``); the pool then holds the whole prompt (`row_capacity`)."""
+        return True
 
     @property
     def pool_page_size(self) -> int:
@@ -153,6 +161,20 @@ class EvictionPolicy(KVPolicy):
         if bool((table[1:longest + 1] < 0).any()):
             return longest
         return min(longest, int(table[1:longest + 1].max()) + self.buffer + max(chunk, 1))
+
+
+def row_capacity(policy: KVPolicy, table: torch.Tensor, *, longest: int, chunk: int,
+                 prompt: int | None = None) -> int:
+    """Slots to allocate per row: `KVPolicy.capacity`, and for a policy that keeps the prompt
+    whole (``compress_in_prefill`` False) at least ``prompt + 1`` (the whole prompt plus the first
+    decode token, whose step compresses it), capped by ``longest``: about
+    ``min(longest, max(prompt + 1, budget + buffer + chunk))``. ``prompt``: the longest prompt
+    (None: unknown, taken as ``longest - 1``: the whole context)."""
+    cap = policy.capacity(table, longest=longest, chunk=chunk)
+    if policy.compress_in_prefill:
+        return cap
+    whole = longest if prompt is None else prompt + 1
+    return min(longest, max(cap, whole))
 
 
 @dataclass(frozen=True)

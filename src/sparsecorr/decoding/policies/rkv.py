@@ -349,6 +349,12 @@ class RKV(EvictionPolicy):
             raise ValueError(f"threshold: expected a number in [0, 1), got {t!r}")
         check_window_policy(self)
 
+    @property
+    def compress_in_prefill(self) -> bool:
+        """False for ``variant="sparse_rl"``: Sparse-RL keeps the prompt whole until the first
+        decode-time compression (``RadixAttention.compress``; module docstring)."""
+        return self.variant != "sparse_rl"
+
     def score(self, *, keys, queries, valid, positions, query_valid=None, key_norms=None,
               unit_sum=None) -> torch.Tensor:
         if self.scoring == "minmax":
