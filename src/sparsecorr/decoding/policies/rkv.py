@@ -30,9 +30,16 @@ softmax; ``sink`` (0 by default, as R-KV has none) protects the first tokens.
 in ``sglang-kvc/python/sglang/srt/managers/tp_worker.py`` with ``attn_pooling="max"``,
 ``pooling="maxpool"``, ``mix_alpha=0.1``; commit ``182c0b26aeb8f2f6c6f12134c7f57cfe65f95376``):
 the same per-head score, summed over the KV heads, so **one kept set per layer** is shared by
-its heads. Sparse-RL also keeps the prompt whole until the first decode-time compression
-(``RadixAttention.compress``); the engine compresses between prefill chunks when a row passes
-``budget + buffer``, which a policy cannot change: not reproduced.
+its heads. Like Sparse-RL it keeps the prompt whole until the first decode-time compression
+(``sglang-kvc/python/sglang/srt/layers/radix_attention.py`` ``RadixAttention.compress``: an extend
+batch keeps every token; in decode ``need_compress`` fires when ``seq_len > compress_max_prompt``
+and ``steps % compress_divide_length == 0``): `RKV.compress_in_prefill` is False, so the engine
+skips compression between prefill chunks and the first compression is the first decode step
+whose row holds more than ``budget + buffer`` slots; then every ``buffer + 1`` steps (the fork's
+``compress_divide_length = buffer + 1``; its phase follows the batch's step counter, here the
+first decode step past the trigger). The pool holds the whole prompt:
+``min(context, max(longest prompt + 1, budget + buffer + chunk))`` slots per row
+(`sparsecorr.decoding.policies.base.row_capacity`).
 
 **``scoring="minmax"``**: the scoring this project used before (commit ``d7f0ddf``): SnapKV's
 votes (per-head softmax averaged over the group, over every valid key) and the plain mean
