@@ -316,8 +316,8 @@ class _Features:
     """A backend seen through a model's attention features: every ``attend`` / ``decode`` call
     (the cache's, and a policy's own, e.g. BlockTopK's selected pages) gets ``softcap=`` (the
     config's) and ``sinks=`` (the calling layer's module parameter, set by
-    `SparseKVCache.attend` before each layer attends), each only when not None; everything else
-    is the backend's."""
+    `SparseKVCache.attend` before each layer attends), each only when not None, and a paged
+    step's ``begin_step`` gets ``softcap=`` too; everything else is the backend's."""
 
     def __init__(self, backend, softcap: float | None) -> None:
         self._backend, self.softcap, self.sinks = backend, softcap, None
@@ -330,6 +330,13 @@ class _Features:
 
     def decode(self, *args, **kwargs):
         return self._backend.decode(*args, **kwargs, **self._features())
+
+    def begin_step(self, **kwargs):
+        """A paged step's plan with the model's soft-cap (``softcap=``, where it has one), so the
+        kernels are planned with it once per step and the first `decode` does not plan again."""
+        if self.softcap is not None:
+            kwargs.setdefault("softcap", self.softcap)
+        return self._backend.begin_step(**kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self._backend, name)

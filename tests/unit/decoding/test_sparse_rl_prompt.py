@@ -190,3 +190,19 @@ def test_teacher_forcing_replays_the_variant():
                                  backend="torch", prefill_chunk=8, record_keep=True)
     assert out.kept_sets.agreement(tf.kept_sets).identical == 1.0
     torch.testing.assert_close(tf.rollout_logp[out.mask], out.rollout_logp[out.mask], atol=1e-5, rtol=0)
+
+
+def test_features_forward_the_softcap_to_begin_step():
+    """Issue 52's follow-up: a soft-capped model's paged step is planned with its soft-cap in
+    ``begin_step`` (the cache's `_Features`), so the first ``decode`` of a run plans nothing again."""
+    from sparsecorr.decoding.cache import _Features
+
+    calls = []
+
+    class Backend:
+        def begin_step(self, **kw):
+            calls.append(kw)
+
+    _Features(Backend(), 30.0).begin_step(lengths=torch.tensor([3]), keep=None)
+    _Features(Backend(), None).begin_step(lengths=torch.tensor([3]), keep=None)
+    assert calls[0]["softcap"] == 30.0 and "softcap" not in calls[1]
