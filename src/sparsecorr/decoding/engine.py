@@ -356,7 +356,7 @@ class Engine:
         dst = rows.to(self.device)
         for buf in (self.pool.k_all, self.pool.v_all, self.pool.pos_all):
             if buf is not None:
-                buf[:, dst] = buf[:, source].unsqueeze(1)
+                buf[:, dst] = buf[:, source].unsqueeze(1).clone()  # a view of buf: torch refuses the overlap
         if self.ring is not None:
             self.ring.reset_rows(dst, source)
         self.count, self.ctx, self.rows = self.count[index], self.ctx[index], self.rows[index]

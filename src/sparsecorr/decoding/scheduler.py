@@ -45,7 +45,7 @@ import torch
 from .._checks import check_int, is_int
 from .backends import select_backend
 from .cache import ATTN_NAME, active_cache
-from .engine import Engine, backend_features
+from .engine import Engine, backend_features, layer_groups
 from .hf import check_transformers, eval_modules, model_spec, sparse_attention
 from .loops import device_generator
 from .memory import MemoryPlan, plan_for
@@ -117,6 +117,9 @@ class Scheduler:
         self._known: dict[str, Request] = {}
         self.max_resident = 0
         self.peak_kv_bytes = 0
+        #: ``generate``'s ``meta["kv_layers"]`` / ``meta["peak_kv"]`` of a model with sliding-window
+        #: layers (the full / sliding split of ``peak_kv_bytes``; `layer_groups`), else empty
+        self.kv_groups: dict = {}
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids, params: RequestParams) -> None:
@@ -205,7 +208,9 @@ class Scheduler:
                 self._free(r)
                 outs.append(r.output("error", exc))
             return outs
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.peak_kv_bytes)
+        if self.engine.peak_kv_bytes >= self.peak_kv_bytes:
+            self.peak_kv_bytes = self.engine.peak_kv_bytes
+            self.kv_groups = layer_groups(self.engine)
         return self._record(ready, tok, lp, top) if ready else []
 
     def _admit(self) -> None:

@@ -206,3 +206,29 @@ def test_features_forward_the_softcap_to_begin_step():
     _Features(Backend(), 30.0).begin_step(lengths=torch.tensor([3]), keep=None)
     _Features(Backend(), None).begin_step(lengths=torch.tensor([3]), keep=None)
     assert calls[0]["softcap"] == 30.0 and "softcap" not in calls[1]
+
+
+def test_scheduler_records_generates_peak_kv_split():
+    """Issue 52's follow-up: the scheduler keeps ``generate``'s full / sliding split of its peak
+    (``Scheduler.kv_groups``: ``peak_kv`` and ``kv_layers``), summing to ``peak_kv_bytes``."""
+    from sparsecorr.decoding.scheduler import RequestParams, Scheduler
+    from tests.unit.decoding.test_sliding import hybrid
+
+    model = hybrid("gemma3", window=6)
+    ids = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    policy = RKV(window=3, buffer=4)
+    ref = generate(model, ids, policy=policy, budget=8, max_new_tokens=8, temperature=0.0, backend="torch",
+                   prefill_chunk=4)
+    sched = Scheduler(model, policy=policy, budget=8, max_model_len=32, backend="torch", prefill_chunk=4,
+                      max_num_seqs=2)
+    try:
+        for i in range(2):
+            sched.add_request(str(i), ids[i], RequestParams(max_tokens=8, temperature=0, ignore_eos=True))
+        while sched.has_unfinished():
+            sched.step()
+        groups, peak = sched.kv_groups, sched.peak_kv_bytes
+    finally:
+        sched.close()
+    assert sum(groups["peak_kv"].values()) == peak
+    assert groups["kv_layers"] == ref.meta["kv_layers"]
+    assert groups["peak_kv"]["sliding_bytes"] > 0 and groups["peak_kv"]["full_bytes"] > 0
