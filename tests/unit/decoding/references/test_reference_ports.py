@@ -244,3 +244,39 @@ def test_near_duplicates_in_row_blocks_equal_the_port_rule(monkeypatch, block):
         want = torch.where(cos[h] > 0.5, torch.arange(70), 0).max(-1).values
         assert torch.equal(last[0, h], want)
         torch.testing.assert_close(val[0, h], cos[h].gather(-1, want[:, None])[:, 0], atol=1e-6, rtol=0)
+
+
+def test_sparse_rl_end_to_end_keeps_the_prompt_then_the_ports_sets(monkeypatch):
+    """Every compression event of a ``RKV(variant="sparse_rl")`` decode (tiny Qwen3, GQA 4/2,
+    float32, prefill chunks of 8): none during the prefill, as Sparse-RL's
+    ``RadixAttention.compress`` keeps an extend batch whole (``sglang-kvc/python/sglang/srt/layers/
+    radix_attention.py``, commit ``182c0b26aeb8f2f6c6f12134c7f57cfe65f95376``); the first scores the
+    whole prompt plus the first decode token; each keeps the Sparse-RL port's set in every head."""
+    events = []
+
+    def spy(policy, **kw):
+        keep = compress(policy, **kw)
+        events.append(({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}, keep))
+        return keep
+
+    monkeypatch.setattr(cache_module, "compress", spy)
+    model = tiny_model("qwen3", num_layers=2)
+    p, budget, window = 30, 16, 4
+    ids = torch.randint(3, 128, (2, p), generator=torch.Generator().manual_seed(0))
+    out = generate(model, ids, policy=RKV(window=window, buffer=4, variant="sparse_rl"), budget=budget,
+                   max_new_tokens=16, temperature=0, backend="torch", record_keep=True, prefill_chunk=8)
+    assert int(out.kept_sets.context.min()) == p + 1
+    assert bool((events[0][0]["valid"].sum(-1) == p + 1).all())
+    compared = 0
+    for kw, keep in events:
+        keys, queries, valid, positions = kw["keys"], kw["queries"], kw["valid"], kw["positions"]
+        for r in range(keys.shape[0]):
+            n = int(valid[r, 0].sum())
+            if n <= budget:
+                continue
+            ref, _ = sparse_rl.keep(keys[r:r + 1, :, :n], queries[r:r + 1], budget=budget, window=window)
+            want = sorted(int(positions[r, 0, j]) for j in ref)
+            for i in range(keys.shape[1]):
+                assert sorted(positions[r, i].gather(-1, keep.index[r, i][keep.valid[r, i]]).tolist()) == want
+                compared += 1
+    assert compared >= 8
