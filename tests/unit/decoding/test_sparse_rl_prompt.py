@@ -232,3 +232,20 @@ def test_scheduler_records_generates_peak_kv_split():
     assert sum(groups["peak_kv"].values()) == peak
     assert groups["kv_layers"] == ref.meta["kv_layers"]
     assert groups["peak_kv"]["sliding_bytes"] > 0 and groups["peak_kv"]["full_bytes"] > 0
+
+
+def test_a_soft_capped_models_paged_steps_plan_once():
+    """Through the engine (Gemma 2, soft cap 50, the paged backend on the CPU kernel): every decode
+    step is planned with the soft-cap in ``begin_step``, so no ``decode`` plans the step again."""
+    from sparsecorr.decoding.backends import PagedBackend, ReferenceDecodeKernel
+    from tests.unit.decoding.test_sliding import hybrid
+
+    model = hybrid("gemma2")
+    backend = PagedBackend(ReferenceDecodeKernel, name="paged-oracle")
+    replans = []
+    original = backend._replan
+    backend._replan = lambda softcap: (replans.append(softcap), original(softcap))[1]
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    generate(model, ids, policy=RKV(window=3, buffer=3), budget=8, max_new_tokens=6, temperature=0.0,
+             backend=backend, prefill_chunk=4)
+    assert backend._softcap == 50.0 and replans == []
