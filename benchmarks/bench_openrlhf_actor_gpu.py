@@ -45,7 +45,7 @@ def actor_row(path: str, prompts, lens, args, device) -> tuple[float, int, int]:
     """(seconds, rows planned, most rows resident) of the actor serving every request at once."""
     from sparsecorr_openrlhf.rollout import SparseRolloutActor
 
-    from sparsecorr.decoding import SamplerSpec
+    from sparsecorr.sampler import SamplerSpec
 
     dense = args.policy == "Dense"  # the scheduler row's policy, as bench_rollout_gpu.make_policy builds it
     spec = SamplerSpec(policy="dense" if dense else args.policy, policy_kwargs={} if dense else {"buffer": args.buffer},

@@ -20,8 +20,11 @@ ALLOWED = {
     "losses": {"mismatch", "correction"},
     "decoding": {"mismatch"},
     "schedules": {"mismatch", "decoding"},
+    # sparsecorr.sampler (SamplerSpec): the engine options every surface builds, loading a
+    # BudgetSchedule file for the engine, so it sits above decoding and schedules
+    "sampler": {"mismatch", "decoding", "schedules"},
     "pruning": set(),
-    "commands": {"mismatch", "correction", "losses", "decoding", "schedules", "pruning"},
+    "commands": {"mismatch", "correction", "losses", "decoding", "schedules", "pruning", "sampler"},
 }
 
 

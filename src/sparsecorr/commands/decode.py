@@ -90,10 +90,10 @@ _MODES = {"auto": None, "on": True, "off": False}
 
 
 def sampler_spec(args: argparse.Namespace):
-    """The engine flags as the shared ``sparsecorr.decoding.SamplerSpec`` (``--budget`` is
+    """The engine flags as the shared ``sparsecorr.sampler.SamplerSpec`` (``--budget`` is
     dropped for a policy that ignores it, e.g. ``dense``); a ``ValueError`` names the flag."""
     from ..decoding.policies import POLICIES
-    from ..decoding.spec import spec_from
+    from ..sampler import spec_from
 
     cls = POLICIES.get(args.policy)
     dense = cls is not None and cls.ignores_budget

@@ -3,7 +3,7 @@
 ``generate(model, input_ids, policy=RKV(), budget=512, max_new_tokens=...) -> RolloutBatch``;
 ``teacher_forced_logprobs(...)`` for the same path with given tokens; ``Scheduler`` for requests
 that join and leave a running batch (``EngineDriver`` runs one on a thread of its own);
-``SamplerSpec`` for the engine options every surface shares. Backends: ``torch``
+(``sparsecorr.sampler.SamplerSpec``: the engine options every surface shares). Backends: ``torch``
 (reference, CPU/GPU) and ``flashinfer`` (GPU; imported lazily, never at import time).
 """
 
@@ -12,7 +12,6 @@ from .generate import generate, teacher_forced_logprobs
 from .policies import RKV, BlockTopK, Dense, KVPolicy, SnapKV, StreamingLLM, get_policy
 from .rollout import KeptAgreement, KeptSets, RolloutBatch
 from .scheduler import MemoryPlan, RequestOutput, RequestParams, Scheduler
-from .spec import SamplerSpec
 
 __all__ = [
     "RKV",
@@ -26,7 +25,6 @@ __all__ = [
     "RequestOutput",
     "RequestParams",
     "RolloutBatch",
-    "SamplerSpec",
     "Scheduler",
     "SnapKV",
     "StreamingLLM",

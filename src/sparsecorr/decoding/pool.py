@@ -280,7 +280,7 @@ class WindowRing:
     def reset_rows(self, dst: torch.Tensor, source: int) -> None:
         """Rows ``dst`` (device long) become copies of row ``source`` (the pristine row)."""
         for buf in (self.kv.k_all, self.kv.v_all):
-            buf[:, dst] = buf[:, source].unsqueeze(1)
+            buf[:, dst] = buf[:, source].unsqueeze(1).clone()  # a copy: the source row is in buf
         self.pos[dst] = self.pos[source].clone()  # [R + 1] longs: no overlap with the rows written
 
     def allocated_bytes(self) -> int:

@@ -77,7 +77,7 @@ def run_scheduled(model, ids: torch.Tensor, lens: torch.Tensor, *, policy: KVPol
         if g is not None:
             info.update(cuda_graph=g.status if g.captures else "unused", fused=g.fused if g.captures else "unused",
                         graph_captures=g.captures, capture_s=g.capture_s)
-        peak, label = sched.peak_kv_bytes, sched.backend_label
+        peak, label, groups = sched.peak_kv_bytes, sched.backend_label, dict(sched.kv_groups)
     finally:
         sched.close()
     out = blank_fields(b, t_max, k, prompt_lengths=lens)
@@ -96,4 +96,4 @@ def run_scheduled(model, ids: torch.Tensor, lens: torch.Tensor, *, policy: KVPol
         reasons[i] = o.finish_reason
     out["finish_reason"] = tuple(reasons)
     out["peak_kv_bytes"] = peak
-    return out, {**info, "backend": label}
+    return out, {**info, **groups, "backend": label}

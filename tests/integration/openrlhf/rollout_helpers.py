@@ -68,7 +68,8 @@ def openrlhf_params(**kw) -> SamplingParams:
 def direct(model, prompt, *, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
            engine: dict | None = None, eos: tuple[int, ...] = (2,)):
     """One ``generate`` call on one prompt (stopping at ``eos``): its tokens and log-probs."""
-    from sparsecorr.decoding import SamplerSpec, generate
+    from sparsecorr.decoding import generate
+    from sparsecorr.sampler import SamplerSpec
 
     spec = SamplerSpec(**(ENGINE if engine is None else engine))
     out = generate(model, torch.tensor([prompt]), **spec.generate_kwargs("cpu"), max_new_tokens=max_new_tokens,

@@ -13,7 +13,7 @@ import types
 import pytest
 import sparsecorr_openrlhf.train_ppo_ray as launcher
 
-from sparsecorr.decoding import SamplerSpec
+from sparsecorr.sampler import SamplerSpec
 
 
 @pytest.fixture

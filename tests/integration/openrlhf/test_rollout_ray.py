@@ -54,7 +54,7 @@ def ckpts(tmp_path_factory):
 def engine(ray_cluster, ckpts):
     from sparsecorr_openrlhf.rollout import create_sparse_engines
 
-    from sparsecorr.decoding import SamplerSpec
+    from sparsecorr.sampler import SamplerSpec
 
     engines = create_sparse_engines(1, 1, str(ckpts[0]), 0, False, False, True, 48,
                                     sampler=SamplerSpec(**ENGINE, max_num_seqs=8))

@@ -138,7 +138,7 @@ def test_generation_settings_the_sampler_cannot_honour_are_rejected(tmp_path, ov
     (dict(budget=4), "policy"),
     (dict(policy="streaming_llm", budget=4, controller=True), "controller"),
     (dict(distill=True), "distill"),
-    (dict(policy="nope", budget=4), "name"),
+    (dict(policy="nope", budget=4), "^policy: "),
     (dict(policy="streaming_llm", schedule="/nonexistent.json"), "schedule"),
     (dict(policy="streaming_llm", budget=0), "budget"),
     (dict(correction="nope"), "nope"),

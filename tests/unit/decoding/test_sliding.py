@@ -187,6 +187,8 @@ def test_the_scheduler_serves_a_hybrid_model_as_the_one_pool_path(models, name):
     one = generate(model, ids, **kw)
     sched = generate(model, ids, max_num_seqs=2, **kw)
     assert "scheduler" in sched.meta
+    assert sched.meta["kv_layers"] == {**one.meta["kv_layers"], "ring_slots": sched.meta["kv_layers"]["ring_slots"]}
+    assert sum(sched.meta["peak_kv"].values()) == sched.peak_kv_bytes
     assert torch.equal(sched.tokens, one.tokens)
     torch.testing.assert_close(sched.rollout_logp, one.rollout_logp, atol=1e-5, rtol=0)
 

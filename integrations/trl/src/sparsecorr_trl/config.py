@@ -9,7 +9,7 @@ from typing import Any
 
 from sparsecorr._checks import check_positive
 from sparsecorr.correction import Correction, get_preset
-from sparsecorr.decoding.spec import SamplerSpec, spec_from
+from sparsecorr.sampler import SamplerSpec, spec_from
 
 _RENAMED = {"fused": "fused_step", "max_num_seqs": "sparse_max_num_seqs"}  # SamplerSpec field -> ours
 
@@ -17,7 +17,7 @@ _RENAMED = {"fused": "fused_step", "max_num_seqs": "sparse_max_num_seqs"}  # Sam
 @dataclass(frozen=True)
 class SparseCorrConfig:
     """What the trainer samples with, corrects and logs. The sampler's fields (``policy`` ...
-    ``sparse_max_num_seqs``) are those of the shared ``sparsecorr.decoding.SamplerSpec``
+    ``sparse_max_num_seqs``) are those of the shared ``sparsecorr.sampler.SamplerSpec``
     (`sampler_spec`), which validates them.
 
     Attributes:
@@ -147,7 +147,7 @@ class SparseCorrConfig:
         return spec_from(values, rename=_RENAMED)
 
     def sampler_spec(self) -> SamplerSpec | None:
-        """The sparse sampler's options as the shared ``sparsecorr.decoding.SamplerSpec``
+        """The sparse sampler's options as the shared ``sparsecorr.sampler.SamplerSpec``
         (``fused_step`` is its ``fused``, ``sparse_max_num_seqs`` its ``max_num_seqs``), or
         None when TRL generates (``policy=None``)."""
         return None if self.policy is None else self._spec(self.policy, with_budget=True)

@@ -2,7 +2,7 @@
 ``RolloutRayActor`` (same methods and return shapes), served by the bundled sparse decoding
 engine's continuous-batching scheduler; `create_sparse_engines` builds them where OpenRLHF's
 ``create_vllm_engines`` would; `parse_rollout_args` reads the launcher's ``--sparsecorr.rollout``
-and engine flags into a ``sparsecorr.decoding.SamplerSpec``.
+and engine flags into a ``sparsecorr.sampler.SamplerSpec``.
 
 Importing this package imports nothing heavy: each name loads its module on first use (the
 engine needs transformers; `create_sparse_engines` Ray; the executors of ``generate_responses``

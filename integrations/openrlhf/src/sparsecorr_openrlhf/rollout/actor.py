@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
-from sparsecorr.decoding import EngineDriver, SamplerSpec
+from sparsecorr.decoding import EngineDriver
 from sparsecorr.decoding.driver import copy_weights
+from sparsecorr.sampler import SamplerSpec
 
 from .requests import ActorOutput, as_output, parse_sampling
 from .weights import WeightGroup, receive_cuda_ipc

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sparsecorr.decoding import SamplerSpec
+from sparsecorr.sampler import SamplerSpec
 
 __all__ = ["actor_kwargs", "create_sparse_engines"]
 

@@ -1,5 +1,5 @@
 """The launcher's ``--sparsecorr.rollout POLICY`` and engine flags: the fields of the shared
-``sparsecorr.decoding.SamplerSpec``, each a ``--sparsecorr.<field>`` flag.
+``sparsecorr.sampler.SamplerSpec``, each a ``--sparsecorr.<field>`` flag.
 
     --sparsecorr.rollout POLICY      sparse rollout actors instead of vLLM's, with this KV policy
                                      (dense, streaming_llm, snapkv, rkv, block_topk)
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_rollout_args(argv: Sequence[str], *, with_dry_run: bool = False):
-    """Split the rollout flags from the others: ``(sparsecorr.decoding.SamplerSpec or None, rest)`` (None without
+    """Split the rollout flags from the others: ``(sparsecorr.sampler.SamplerSpec or None, rest)`` (None without
     ``--sparsecorr.rollout``); with ``with_dry_run``, ``(spec, dry_run, rest)``.
 
     Raises:
@@ -70,7 +70,7 @@ def parse_rollout_args(argv: Sequence[str], *, with_dry_run: bool = False):
         if mode in given:
             given[mode] = _MODES[given[mode]]
     # the engine (and transformers) only when asked for
-    from sparsecorr.decoding.spec import spec_from
+    from sparsecorr.sampler import spec_from
 
     spec = spec_from({"policy": ns.rollout, **given}, rename=_RENAME)
     return (spec, ns.dry_run, rest) if with_dry_run else (spec, rest)

@@ -11,7 +11,7 @@
   ``_ROLLOUT_REGISTRY[("sparsecorr", "async")]``, which syncs the actor's weights.
 
 The engine knobs come from ``rollout.engine_kwargs.sparsecorr`` (`EngineOptions`: verl's names
-for ``sparsecorr.decoding.SamplerSpec``). Importing
+for ``sparsecorr.sampler.SamplerSpec``). Importing
 this package imports neither verl nor Ray; ``replica`` and ``adapter`` import both.
 """
 

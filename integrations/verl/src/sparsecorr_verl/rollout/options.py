@@ -26,7 +26,7 @@ _RENAMED = {"fused": "fused_step", "max_num_seqs": "max_batch_size"}  # SamplerS
 @dataclass(frozen=True)
 class EngineOptions:
     """How the server runs its ``sparsecorr.decoding.Scheduler``: verl's names for the fields of
-    the shared ``sparsecorr.decoding.SamplerSpec`` (`sampler_spec`), which validates them.
+    the shared ``sparsecorr.sampler.SamplerSpec`` (`sampler_spec`), which validates them.
 
     Attributes:
         policy: KV policy name for ``sparsecorr.decoding.get_policy`` (``dense``,
@@ -71,9 +71,9 @@ class EngineOptions:
                           "batch at the next step", DeprecationWarning, stacklevel=3)
 
     def sampler_spec(self):
-        """These options as the shared ``sparsecorr.decoding.SamplerSpec`` (``fused_step`` is its
+        """These options as the shared ``sparsecorr.sampler.SamplerSpec`` (``fused_step`` is its
         ``fused``, ``max_batch_size`` its ``max_num_seqs``); a ``ValueError`` names verl's field."""
-        from sparsecorr.decoding.spec import spec_from
+        from sparsecorr.sampler import spec_from
 
         return spec_from({"policy": self.policy, "policy_kwargs": self.policy_kwargs, "budget": self.budget,
                           "schedule": self.schedule, "backend": self.backend, "cuda_graph": self.cuda_graph,

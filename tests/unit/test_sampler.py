@@ -10,7 +10,7 @@ import pytest
 
 from sparsecorr.decoding import RKV, Dense
 from sparsecorr.decoding.backends import NAMES
-from sparsecorr.decoding.spec import BACKENDS, SamplerSpec, spec_from
+from sparsecorr.sampler import BACKENDS, SamplerSpec, spec_from
 
 
 def test_backends_are_the_registry_of_backends():

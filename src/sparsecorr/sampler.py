@@ -98,7 +98,7 @@ class SamplerSpec:
     # -- what the engine takes -----------------------------------------------------------------
     def build_policy(self):
         """The ``KVPolicy`` object (a fresh one per call)."""
-        from .policies import get_policy
+        from .decoding.policies import get_policy
 
         try:
             return get_policy(self.policy, **dict(self.policy_kwargs))
@@ -112,7 +112,7 @@ class SamplerSpec:
     def build_budget(self):
         """``generate``'s ``budget``: an int, a loaded ``BudgetSchedule``, or None (dense)."""
         if self.schedule is not None:
-            from ..schedules import BudgetSchedule
+            from .schedules import BudgetSchedule
 
             return BudgetSchedule.load(self.schedule)
         return self.budget
