@@ -271,8 +271,9 @@ def test_multi_turn_tool_loop_against_the_server(replica, ckpt, agent_loop_modul
 
 def test_hybrid_adapter_syncs_weights_and_memory(replica, ckpt, monkeypatch):
     """The adapter verl builds in a trainer worker: ``release`` (sleep), ``resume(weights)``,
-    ``update_weights`` with the actor's perturbed tensors, ``resume(kv_cache)``; the next
-    rollout equals a direct ``generate`` with those weights."""
+    ``update_weights`` with the actor's perturbed tensors (through verl's bucketed transfer: the
+    server actor is on this node), ``resume(kv_cache)``; the next rollout equals a direct
+    ``generate`` with those weights."""
     from sparsecorr_verl.rollout import load_policy_copy
     from verl.workers.rollout.base import get_rollout_class
 
@@ -299,4 +300,11 @@ def test_hybrid_adapter_syncs_weights_and_memory(replica, ckpt, monkeypatch):
     tokens, logp = direct(model, [PROMPTS[1]], max_new_tokens=6)[0]
     assert out.token_ids == tokens and out.log_probs == pytest.approx(logp, abs=1e-5)
     assert out.extra_fields["global_steps"] == 3
+    # one node and pyzmq here: verl's bucketed transfer (shared memory on the CPU); without pyzmq
+    # the named tensors through Ray, saying why
+    import importlib.util
+
+    has_zmq = importlib.util.find_spec("zmq") is not None
+    assert adapter.weight_path == ("bucketed" if has_zmq else "named_tensors")
+    assert (adapter.weight_path_reason is None) == has_zmq
     assert os.environ["RANK"] == "0"

@@ -23,8 +23,11 @@ blocks runs on the actor's event loop (loading, weight copies and moves, every s
   scheduler's pool, graphs and buffers (``Scheduler.release``); ``sleep`` then moves the weights
   of a CUDA copy to the host. Requests arriving meanwhile wait. ``resume_kv_cache`` / ``wake_up``
   undo them (the pool is allocated again at the next step).
-- ``update_weights(named_tensors)`` copies full tensors into the copy, in place, on the engine
-  thread between two steps (see `copy_weights`).
+- ``update_weights_from_ipc(zmq_handle, use_shm=...)`` receives the actor's weights through
+  verl's own ``BucketedWeightReceiver`` (CUDA IPC, or shared memory: ``weights.py``) and copies
+  each bucket into the copy, in place, on the engine thread between two steps; the adapter
+  sends with verl's ``BucketedWeightSender`` from the same node. ``update_weights(named_tensors)``
+  is the path where that does not apply (full tensors through Ray; see `copy_weights`).
 
 Seeds: a request with ``sampling_params["seed"]`` samples from its own generator seeded with it,
 so its tokens do not depend on which requests share its steps (as vLLM's per-request seed).
@@ -48,6 +51,7 @@ from sparsecorr.decoding.driver import EngineDriver, copy_weights, load_inferenc
 
 from .options import EngineOptions, engine_options
 from .requests import parse_request
+from .weights import receive_buckets, unavailable_reason
 
 __all__ = ["SparseCorrServer", "copy_weights", "load_policy_copy"]
 
@@ -330,6 +334,59 @@ class SparseCorrServer:
         """
         await self.launch_server()
         return await self._driver.call(lambda _s: copy_weights(self.model, named_tensors))
+
+    async def update_weights_from_ipc(self, zmq_handle: str, *, use_shm: bool, timeout_s: float = 300.0) -> int:
+        """Receive the actor's full tensors from verl's ``BucketedWeightSender`` at ``zmq_handle``
+        (CUDA IPC, or shared memory with ``use_shm``) and copy each bucket into the inference copy
+        in place, on the engine thread between two steps; returns how many tensors were copied.
+
+        The receiving runs on a worker thread (never the event loop nor the engine thread): the
+        engine goes on stepping between buckets, as between the named-tensor path's calls. A
+        bucket that fails to copy (an unknown name, a shape that differs) stops the copying; the
+        transfer still runs to its end, so the sender is released, then its error is raised here.
+        Tensors copied before it stay copied (verl fails the step on the error).
+
+        Raises:
+            ValueError: a name the model does not have, or a shape that differs.
+            TimeoutError: no bucket arrived for ``timeout_s`` seconds (the socket is closed).
+        """
+        await self.launch_server()
+        copied, failures = [0], []
+
+        def on_bucket(bucket, _is_last) -> None:  # on the receiving thread; views valid during the call
+            if failures:
+                return
+            held = [bucket]  # popped by the engine thread: no closure keeps a view of the buffer
+            try:  # a loop of this thread's own: the actor's loop may be busy (an in-process sender blocks it)
+                copied[0] += asyncio.run(self._driver.call(lambda _s: copy_weights(self.model, held.pop())))
+            except Exception as exc:  # raised below, once the sender is released
+                failures.append(exc.with_traceback(None))  # no frame may keep a view of the buffer
+            finally:
+                held.clear()
+                # a no-op barrier: once it runs, the engine thread holds nothing of the copy command
+                # (the receiver closes the shared segment, which fails while a view is alive)
+                asyncio.run(self._driver.call(lambda _s: None))
+
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
+        await asyncio.to_thread(receive_buckets, str(zmq_handle), device=device, use_shm=bool(use_shm),
+                                timeout_s=float(timeout_s), on_bucket=on_bucket)
+        if failures:
+            raise failures[0]
+        return copied[0]
+
+    def transfer_info(self) -> dict[str, Any]:
+        """Where this server runs, for the adapter's choice of weight path: its Ray node (None
+        outside Ray), its device type, and why verl's bucketed transfer cannot run here (None
+        when it can)."""
+        node = None
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node = ray.get_runtime_context().get_node_id()
+        except ImportError:
+            pass
+        return {"node_id": node, "device": self.device.type, "unavailable": unavailable_reason()}
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
