@@ -48,8 +48,7 @@ EDGE_NEWEST := $(EDGE_DECODING) tests/integration/trl/test_sparse_rollouts.py \
 # uvicorn, which verl's rollout modules import (tests/integration/verl/test_verl_rollout_*); aiohttp
 # and pylatexenc, which OpenRLHF's agent executors import (tests/integration/openrlhf/test_rollout_*;
 # a vLLM or SGLang install brings them all); without them those tests skip
-RAY_RUNTIME := ray==2.60.0 cachetools==8.0.2 fastapi==0.165.0 uvicorn==0.54.0 aiohttp==3.14.5 pylatexenc==2.11 \
-  pyzmq==27.3.0
+RAY_RUNTIME := ray==2.60.0 cachetools==8.0.2 fastapi==0.165.0 uvicorn==0.54.0 aiohttp==3.14.5 pylatexenc==2.11 pyzmq==27.3.0
 # one edge job: $(call edge,VENV,TORCH,TRANSFORMERS SPEC,WHAT IT IS[,MORE SPECS]); a failure names
 # the package versions that broke us
 define edge
