@@ -200,3 +200,51 @@ def test_send_buckets_sends_through_verls_sender_with_the_adapters_knobs(transfe
     copied, out = asyncio.run(run())
     assert copied == len(new)
     assert out.token_ids == direct(_loaded(ckpt, new), [PROMPTS[0]], max_new_tokens=6)[0][0]
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        async def call():
+            return self.fn(*args, **kwargs)
+
+        return call()
+
+
+class _FakeServer:
+    """What the adapter asks a server actor, in process (Ray is not started here)."""
+
+    def __init__(self, info):
+        self.transfer_info = _Remote(lambda: dict(info))
+        self.named, self.steps = [], []
+        self.update_weights = _Remote(lambda bucket: self.named.append([n for n, _ in bucket]))
+        self.set_global_steps = _Remote(self.steps.append)
+
+
+@pytest.mark.parametrize(("info", "reason"), [
+    ({"node_id": "node-b", "device": "cpu", "unavailable": None}, "the server runs on node node-b"),
+    ({"node_id": None, "device": "cpu", "unavailable": "pyzmq is not installed (verl's bucketed transfer imports zmq)"},
+     "pyzmq is not installed"),
+])
+def test_adapter_takes_named_tensors_where_the_bucketed_path_does_not_apply(transfer, ckpt, monkeypatch, info, reason):
+    """A server on another node, or one without pyzmq: the adapter says why and sends the full
+    tensors as host buckets through the server's ``update_weights`` (every name, in order)."""
+    from sparsecorr_verl.rollout.adapter import SparseCorrServerAdapter
+
+    from tests.integration.verl.rollout_helpers import model_config, rollout_config
+
+    if reason.startswith("the server"):
+        import ray
+
+        monkeypatch.setattr(ray, "is_initialized", lambda: True)
+        monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Ctx", (), {"get_node_id": lambda self: "node-a"})())
+    adapter = SparseCorrServerAdapter(config=rollout_config(), model_config=model_config(ckpt), device_mesh=None,
+                                      replica_rank=0)
+    adapter._server = _FakeServer(info)
+    new = _perturbed(ckpt, 6)
+    asyncio.run(adapter.update_weights(iter(new.items()), global_steps=4))
+    assert adapter.weight_path == "named_tensors" and reason in adapter.weight_path_reason
+    assert [n for bucket in adapter._server.named for n in bucket] == list(new)
+    assert adapter._server.steps == [4]
