@@ -23,6 +23,7 @@ from transformers import AttentionInterface, DynamicCache
 import sparsecorr.decoding.cache as cache_module
 from sparsecorr.decoding import RKV, generate, teacher_forced_logprobs
 from sparsecorr.decoding.engine import pool_capacity
+from sparsecorr.decoding.hf import cache_keyword
 from sparsecorr.decoding.memory import plan_for
 from sparsecorr.decoding.policies import compress
 from sparsecorr.decoding.policies.base import row_capacity
@@ -108,7 +109,7 @@ def _loop_reference(model, ids, *, steps):
     AttentionInterface.register("sparse_rl_loop_ref", attn)
     model.set_attn_implementation("sparse_rl_loop_ref")
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, cache=cache, use_cache=True)
+    out = model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache})
     decoding[0] = True
     tokens, events = [], []
     for t in range(steps):
@@ -119,7 +120,7 @@ def _loop_reference(model, ids, *, steps):
         pos = ids.shape[1] + t
         for layer in range(n_layers):
             kept[layer].append(pos)
-        out = model(input_ids=tok[:, None], cache=cache, use_cache=True)
+        out = model(input_ids=tok[:, None], use_cache=True, **{cache_keyword(model): cache})
         if len(kept[0]) > BUDGET + BUFFER:
             event = []
             for layer in range(n_layers):
