@@ -12,12 +12,13 @@ import math
 import time
 from pathlib import Path
 
+from ..sampler import BACKENDS
+
 #: the built-in policy names, for ``--help`` only (kept here so it stays fast); ``--policy``
 #: takes any name in the registry (`sparsecorr.decoding.policies.POLICIES`)
 POLICIES = ("dense", "streaming_llm", "snapkv", "rkv", "block_topk")
 POLICY_HELP = ("a registered KV policy: " + " | ".join(POLICIES) + ", one a --policy-module registers, "
                "or MODULE:CLASS (imported and registered)")
-BACKENDS = ("auto", "torch", "reference", "flashinfer")
 GRAPH_MODES = ("auto", "on", "off")
 
 

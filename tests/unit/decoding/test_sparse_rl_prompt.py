@@ -20,15 +20,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
-import sparsecorr.decoding.cache as cache_module
 from sparsecorr.decoding import RKV, generate, teacher_forced_logprobs
 from sparsecorr.decoding.engine import pool_capacity
 from sparsecorr.decoding.hf import cache_keyword
 from sparsecorr.decoding.memory import plan_for
-from sparsecorr.decoding.policies import compress
 from sparsecorr.decoding.policies.base import row_capacity
 from tests.models import tiny_model
 from tests.unit.decoding.references import sparse_rl
+from tests.unit.decoding.tracking import record_compressions
 
 BUDGET, BUFFER, WINDOW = 16, 4, 4
 P = 40  # prompt tokens: longer than budget + buffer
@@ -42,26 +41,15 @@ def _prompt(b=1, p=P, seed=0):
     return torch.randint(3, 128, (b, p), generator=torch.Generator().manual_seed(seed))
 
 
-def _spy(monkeypatch):
-    events = []
-
-    def spy(policy, **kw):
-        keep = compress(policy, **kw)
-        events.append((kw["valid"].clone(), kw["positions"].clone(), keep))
-        return keep
-
-    monkeypatch.setattr(cache_module, "compress", spy)
-    return events
-
-
 def test_prefill_keeps_every_prompt_position_then_decode_keeps_the_budget(monkeypatch):
     """No compression between prefill chunks (chunk 8, prompt 40 > budget 16 + buffer 4): the
     first event scores the whole prompt plus the first decode token, and keeps ``budget``."""
-    events = _spy(monkeypatch)
+    events = record_compressions(monkeypatch)
     ids = _prompt(2)
     out = generate(_model(), ids, policy=RKV(window=WINDOW, buffer=BUFFER, variant="sparse_rl"), budget=BUDGET,
                    max_new_tokens=12, temperature=0, backend="torch", prefill_chunk=8, record_keep=True)
-    valid, positions, keep = events[0]
+    kw, keep = events[0]
+    valid, positions = kw["valid"], kw["positions"]
     assert bool((valid.sum(-1) == P + 1).all())  # every prompt position and the first decode token
     assert sorted(positions[0, 0][valid[0, 0]].tolist()) == list(range(P + 1))
     assert bool((keep.valid.sum(-1) == BUDGET).all())
@@ -73,11 +61,11 @@ def test_prefill_keeps_every_prompt_position_then_decode_keeps_the_budget(monkey
 
 
 def test_default_rkv_still_compresses_between_prefill_chunks(monkeypatch):
-    events = _spy(monkeypatch)
+    events = record_compressions(monkeypatch)
     out = generate(_model(), _prompt(), policy=RKV(window=WINDOW, buffer=BUFFER), budget=BUDGET, max_new_tokens=4,
                    temperature=0, backend="torch", prefill_chunk=8, record_keep=True)
     assert int(out.kept_sets.context.min()) <= P  # compressed inside the prompt
-    assert int(events[0][0].sum(-1).max()) <= BUDGET + BUFFER + 8
+    assert int(events[0][0]["valid"].sum(-1).max()) <= BUDGET + BUFFER + 8
 
 
 def _loop_reference(model, ids, *, steps):

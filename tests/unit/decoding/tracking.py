@@ -1,12 +1,17 @@
 """Test-only: weak references to what the engine allocates, for "nothing alive" checks (shared by
-the decoding tests' ``tracked`` fixture and the rollout servers' lifecycle tests)."""
+the decoding tests' ``tracked`` fixture and the rollout servers' lifecycle tests), and a record of
+every compression event (`record_compressions`)."""
 
 from __future__ import annotations
 
 import importlib
 import weakref
 
+import torch
+
+import sparsecorr.decoding.cache as cache_module
 import sparsecorr.decoding.engine as engine_mod
+from sparsecorr.decoding.policies import compress
 from sparsecorr.decoding.pool import KVPool
 
 
@@ -34,3 +39,17 @@ def track_engines(monkeypatch, *sites: str) -> list[weakref.ref]:
     for site in sites:
         monkeypatch.setattr(importlib.import_module(site), "Engine", TrackedEngine)
     return refs
+
+
+def record_compressions(monkeypatch) -> list[tuple[dict, object]]:
+    """Patch the engine's ``compress`` to record every compression event: a list of ``(inputs,
+    keep)``, the keyword inputs (tensors cloned) and the `KeepSet` it returned."""
+    events: list[tuple[dict, object]] = []
+
+    def spy(policy, **kw):
+        keep = compress(policy, **kw)
+        events.append(({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}, keep))
+        return keep
+
+    monkeypatch.setattr(cache_module, "compress", spy)
+    return events

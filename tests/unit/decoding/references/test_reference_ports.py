@@ -19,11 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import sparsecorr.decoding.cache as cache_module
 from sparsecorr.decoding import generate
 from sparsecorr.decoding.policies import RKV, BlockTopK, SnapKV, StreamingLLM, compress
 from tests.models import tiny_model
 from tests.unit.decoding.references import r_kv, snapkv, sparse_rl, streaming_llm
+from tests.unit.decoding.tracking import record_compressions
 
 TIE = 1e-6  # float32 rounding of the scores: differences this small are ties
 W, D, S, BUDGET = 8, 16, 96, 40
@@ -191,14 +191,7 @@ def test_rkv_end_to_end_kept_sets_equal_the_port(monkeypatch):
     """Every compression event of a decode (tiny Qwen3, GQA 4/2, float32): the positions
     ``generate(record_keep=True)`` records equal the kept sets of the R-KV port run on that
     event's keys and observation window, per layer, row and KV head."""
-    events = []
-
-    def spy(policy, **kw):
-        keep = compress(policy, **kw)
-        events.append(({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}, keep))
-        return keep
-
-    monkeypatch.setattr(cache_module, "compress", spy)
+    events = record_compressions(monkeypatch)
     model = tiny_model("qwen3", num_layers=2)
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     budget, window = 16, 4
@@ -252,14 +245,7 @@ def test_sparse_rl_end_to_end_keeps_the_prompt_then_the_ports_sets(monkeypatch):
     ``RadixAttention.compress`` keeps an extend batch whole (``sglang-kvc/python/sglang/srt/layers/
     radix_attention.py``, commit ``182c0b26aeb8f2f6c6f12134c7f57cfe65f95376``); the first scores the
     whole prompt plus the first decode token; each keeps the Sparse-RL port's set in every head."""
-    events = []
-
-    def spy(policy, **kw):
-        keep = compress(policy, **kw)
-        events.append(({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}, keep))
-        return keep
-
-    monkeypatch.setattr(cache_module, "compress", spy)
+    events = record_compressions(monkeypatch)
     model = tiny_model("qwen3", num_layers=2)
     p, budget, window = 30, 16, 4
     ids = torch.randint(3, 128, (2, p), generator=torch.Generator().manual_seed(0))
