@@ -1,23 +1,28 @@
 r"""A continuous-batching scheduler over one `Engine`: requests join and leave a running batch.
 
-The scheduler drives one [`Engine`][sparsecorr.decoding.engine.Engine] at a FIXED batch of
-``plan.rows`` slots plus one never-fed *pristine* row (the last): a free slot is fed
-``real = 0`` (its padding goes to the scratch page, as CUDA-graph decoding feeds its finished
-dummy rows), so every forward has one batch size. Each `step`:
+The scheduler drives one [`Engine`][sparsecorr.decoding.engine.Engine] whose pool is allocated
+once for ``plan.rows`` rows plus one never-fed *pristine* row, but whose batch is only as large
+as the requests need: the running rows, then the pristine row (the last engine row). Each `step`:
 
-1. **admit** waiting requests (first come, first served) into free slots: each admitted slot's
-   pool row and policy state are reset from the pristine row (`Engine.reset_rows`: the pool's
-   rows by an indexed copy, the policy's state by its own row selection with an index such as
-   ``[0, 1, P, 3, P]``, so no policy needs a reset hook);
+1. **admit** waiting requests (first come, first served): a free row left by a finished request
+   is refilled in place (`Engine.reset_rows`: its pool row by an indexed copy of the pristine
+   row, the policy's state by its own row selection with an index such as ``[0, 1, P, 3, P]``,
+   so no policy needs a reset hook); requests still waiting grow the batch (up to ``plan.rows``)
+   by one `Engine.take_rows` that appends pristine copies, in the storage allocated once; with
+   nobody waiting, the free rows leave the batch the same way (the running rows, in order, then
+   the pristine one). So the long tail of a rollout runs at the batch of the rows still decoding,
+   not at ``plan.rows``. With CUDA graphs the batch is rounded up to a power of two (free rows
+   fed as padding), so a run captures one graph per power of two met;
 2. **one forward**: while some row still reads its prompt, a prefill chunk (up to
-   ``prefill_chunk`` tokens of each such row, ``real = 0`` for the others: decoding rows wait
-   one forward, so a forward is never mixed and each row's tokens see the forward kinds they see
-   alone, which matters to a selection policy that attends differently in prefill and decode);
-   else one token for every decoding row. ``compress_due`` runs after it, as in ``generate``
-   (after a prefill chunk not for a policy that keeps the prompt whole: ``compress_in_prefill``);
+   ``prefill_chunk`` tokens of each such row, ``real = 0`` for the others, whose padding goes to
+   the scratch page: decoding rows wait one forward, so a forward is never mixed and each row's
+   tokens see the forward kinds they see alone, which matters to a selection policy that attends
+   differently in prefill and decode); else one token for every decoding row. ``compress_due``
+   runs after it, as in ``generate`` (after a prefill chunk not for a policy that keeps the
+   prompt whole: ``compress_in_prefill``);
 3. **sample** each row whose logits are ready with its own request's parameters
    (`sparsecorr.decoding.sampling.sample_rows`);
-4. **retire** at once the rows that sampled a stop token or reached ``max_tokens``: the slot is
+4. **retire** at once the rows that sampled a stop token or reached ``max_tokens``: the row is
    free for the next step's admission.
 
 A row's arithmetic reads nothing of its neighbours (its own slots, its own policy state), and a
@@ -29,9 +34,10 @@ before any prompt is seen, so a policy that keeps the prompt whole through the p
 ``max_model_len`` allows (``max_model_len - 1`` tokens, one left to generate): a row of
 ``max_model_len`` slots, the whole context, not ``budget + buffer + prefill_chunk``.
 
-Cost: every forward runs over all ``plan.rows + 1`` rows (free rows as padding), so a prefill
-chunk for one new row costs ``(rows + 1) · chunk`` tokens of MLP; an admission copies the
-admitted pool rows and every row of the policy's state (rings, norms, page sums).
+Cost: every forward runs over the running rows and the pristine row (and, with CUDA graphs, the
+free rows up to the power of two), so a prefill chunk for one new row costs ``(rows + 1) · chunk``
+tokens of MLP; a refill copies the admitted pool rows and every row of the policy's state (rings,
+norms, page sums); a resize moves every layer's kept rows once (`sparsecorr.decoding.pool.take_rows`).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from .backends import select_backend
 from .cache import ATTN_NAME, active_cache
 from .engine import Engine, backend_features, layer_groups
 from .hf import check_transformers, eval_modules, model_spec, sparse_attention
-from .loops import device_generator
+from .loops import bucket, device_generator
 from .memory import MemoryPlan, plan_for
 from .policies import KVPolicy
 from .requests import Request, RequestOutput, RequestParams, check_prompt
@@ -112,7 +118,7 @@ class Scheduler:
         self.engine: Engine | None = None
         self.backend_label = None
         self.graph_status = "off"
-        self._slots: list[Request | None] = [None] * self.plan.rows
+        self._slots: list[Request | None] = []  # engine row -> request (None: a free row)
         self._waiting: deque[Request] = deque()
         self._known: dict[str, Request] = {}
         self.max_resident = 0
@@ -213,25 +219,65 @@ class Scheduler:
             self.kv_groups = layer_groups(self.engine)
         return self._record(ready, tok, lp, top) if ready else []
 
+    @property
+    def pristine(self) -> int:
+        """The engine row of the never-fed row (the last): every admitted row starts as its copy."""
+        return len(self._slots)
+
     def _admit(self) -> None:
+        """Lay out the engine's rows for the next forward: refill free rows from the waiting queue
+        (`Engine.reset_rows` from the pristine row), then grow the batch for the requests still
+        waiting (up to ``plan.rows``) or, with none waiting, drop the free rows (`_resize`)."""
         if self.engine is None:
             self._allocate()
         free = [i for i, r in enumerate(self._slots) if r is None]
-        if not free or not self._waiting:
-            return
-        slots = free[:len(self._waiting)]
-        for i in slots:
-            req = self._waiting.popleft()
-            req.slot, self._slots[i] = i, req
-        self.engine.reset_rows(torch.tensor(slots), source=self.plan.rows)  # the pristine row
+        fill = free[:len(self._waiting)]
+        for i in fill:
+            self._place(self._waiting.popleft(), i)
+        if fill:
+            self.engine.reset_rows(torch.tensor(fill), source=self.pristine)
+        self._resize(self._rows_for(self.num_running + len(self._waiting)))
+        while self._waiting and None in self._slots:
+            self._place(self._waiting.popleft(), self._slots.index(None))
         self.max_resident = max(self.max_resident, self.num_running)
+
+    def _rows_for(self, wanted: int) -> int:
+        """Rows the batch should have for ``wanted`` requests: as many (at most ``plan.rows``),
+        rounded up to the graph's batch bucket when CUDA graphs replay the steps (one capture
+        per power of two met, as `generate` does: `sparsecorr.decoding.loops.bucket`)."""
+        n = min(wanted, self.plan.rows)
+        return min(bucket(n), self.plan.rows) if self.cuda_graph and n else n
+
+    def _resize(self, rows: int) -> None:
+        """Make the batch ``rows`` rows plus the pristine one, in one `Engine.take_rows` (in the
+        pool's own storage, allocated once for ``plan.rows + 1``): growing appends copies of the
+        pristine row (free rows); shrinking keeps the running rows, in order, then free ones."""
+        n = len(self._slots)
+        if rows == n or (rows < n and self._slots.count(None) == 0):
+            return
+        if rows > n:
+            index = list(range(n)) + [n] * (rows - n + 1)
+            self._slots += [None] * (rows - n)
+        else:
+            running = [i for i, r in enumerate(self._slots) if r is not None]
+            rows = max(rows, len(running))
+            spare = [i for i, r in enumerate(self._slots) if r is None][:rows - len(running)]
+            index = running + spare + [n]
+            self._slots = [self._slots[i] for i in running + spare]
+            for j, r in enumerate(self._slots):
+                if r is not None:
+                    r.slot = j
+        self.engine.take_rows(torch.tensor(index))
+
+    def _place(self, req: Request, slot: int) -> None:
+        req.slot, self._slots[slot] = slot, req
 
     def _prefill(self, rows: list[Request]):
         """One prefill chunk of ``rows``; the rows whose prompt ended in it and their logits."""
         n = {r.slot: min(self.chunk, r.prompt.numel() - r.fed) for r in rows}
         q = max(n.values())
-        ids = torch.zeros(self.plan.rows + 1, q, dtype=torch.long)
-        real = torch.zeros(self.plan.rows + 1, dtype=torch.long)
+        ids = torch.zeros(self.pristine + 1, q, dtype=torch.long)
+        real = torch.zeros(self.pristine + 1, dtype=torch.long)
         for r in rows:
             ids[r.slot, :n[r.slot]] = r.prompt[r.fed:r.fed + n[r.slot]]
             real[r.slot] = n[r.slot]
@@ -248,8 +294,8 @@ class Scheduler:
 
     def _decode(self, rows: list[Request]):
         """One token for every decoding row (its last sampled token); the rows and their logits."""
-        ids = torch.zeros(self.plan.rows + 1, 1, dtype=torch.long)
-        real = torch.zeros(self.plan.rows + 1, dtype=torch.long)
+        ids = torch.zeros(self.pristine + 1, 1, dtype=torch.long)
+        real = torch.zeros(self.pristine + 1, dtype=torch.long)
         at = torch.tensor([r.slot for r in rows])
         ids[at, 0] = torch.tensor([r.tokens[-1] for r in rows])
         real[at] = 1
@@ -302,6 +348,8 @@ class Scheduler:
         self.engine = Engine(self.model, policy=self.policy, backend=back, table=self.table, batch=self.plan.rows + 1,
                              capacity=self.plan.capacity, grad=False, cuda_graph=self.cuda_graph, fused=self.fused,
                              chunk=self.chunk)
+        self._slots = []
+        self.engine.take_rows(torch.tensor([self.plan.rows]))  # the pristine row alone, in the same storage
 
     def release(self) -> None:
         """Free the pool, graphs and backend buffers (no request may be running; waiting ones are

@@ -241,8 +241,9 @@ def test_release_and_close_leave_nothing_alive(tracked, no_gc, monkeypatch):
 
 @pytest.mark.parametrize("policy", [RKV(window=3, buffer=2), SnapKV(window=3, buffer=2)], ids=lambda p: p.name)
 def test_the_graph_step_at_one_batch_size_equals_eager(policy, cpu_graphs):
-    """The CUDA-graph code path (the eager stand-in runner on the CPU): one capture for the whole
-    run (the batch never changes size), the same tokens and log-probs as eager steps."""
+    """The CUDA-graph code path (the eager stand-in runner on the CPU): one capture per batch
+    bucket met (two rows while requests wait, one for the last request's tail), the same tokens
+    and log-probs as eager steps."""
     prompts = _prompts(5, seed=7)
     runs = []
     for graph in (False, True):
@@ -251,7 +252,7 @@ def test_the_graph_step_at_one_batch_size_equals_eager(policy, cpu_graphs):
             sched.add_request(str(i), p, GREEDY)
         runs.append(_drain(sched))
         if graph:
-            assert sched.engine.graphs.status == "on" and sched.engine.graphs.captures == 1
+            assert sched.engine.graphs.status == "on" and sched.engine.graphs.captures == 2
         sched.close()
     eager, graph = runs
     for i in eager:
@@ -270,7 +271,7 @@ def test_reset_rows_copies_the_pristine_row_and_leaves_the_others():
     bufs = lambda: [eng.pool.k_all, eng.pool.v_all, eng.pool.pos_all, *eng.cache.state.buffers()]  # noqa: E731
     before = [b.clone() for b in bufs()]
     count = eng.count.clone()
-    assert bool((count[:3] > 0).all()) and int(count[3]) == 0
+    assert sched.pristine == 3 and bool((count[:3] > 0).all()) and int(count[3]) == 0
     eng.reset_rows(torch.tensor([0, 2]), source=3)
     for old, new in zip(before, bufs()):
         assert torch.equal(new[:, 1], old[:, 1]) and torch.equal(new[:, 3], old[:, 3])
@@ -289,7 +290,7 @@ def test_the_pristine_row_stays_blank_outside_its_scratch_areas(policy):
     for i, p in enumerate(_prompts(4, seed=9)):
         sched.add_request(str(i), p, GREEDY)
     _drain(sched)
-    eng, p = sched.engine, sched.plan.rows
+    eng, p = sched.engine, sched.pristine
     cap, state = eng.pool.capacity, eng.cache.state
     for buf in (eng.pool.k_all, eng.pool.v_all, eng.pool.pos_all):
         assert buf is None or not bool(buf[:, p, :, :cap].any())
@@ -299,4 +300,40 @@ def test_the_pristine_row_stays_blank_outside_its_scratch_areas(policy):
         assert not bool(state.norms_all[:, p, :, :cap].any()) and not bool(state.unit_sum_all[:, p].any())
     if hasattr(state, "summ_all"):
         assert not bool(state.summ_all[:, p, :, :-1].any())
+    sched.close()
+
+
+# -- the batch follows the running rows ------------------------------------------------------------
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_the_batch_holds_the_running_rows_not_the_plan(graph, request):
+    """Forwards run over the running rows and the pristine one (with CUDA graphs: rounded up to a
+    power of two): while requests wait the batch grows into the pool allocated once; once nobody
+    waits, finished rows leave it, so a long tail decodes at its own batch, not at ``plan.rows``."""
+    if graph:
+        request.getfixturevalue("cpu_graphs")
+    sched = _sched(max_num_seqs=4, cuda_graph=graph)
+    storage = None
+    lengths = [1, 2, 3, 9, 4]
+    for i, (p, n) in enumerate(zip(_prompts(5, seed=11), lengths)):
+        sched.add_request(str(i), p, RequestParams(max_tokens=n, temperature=0, ignore_eos=True))
+    sizes, out = [], {}
+    while sched.has_unfinished():
+        for o in sched.step():
+            out[o.request_id] = o
+        eng = sched.engine
+        storage = storage or eng.pool.k_all.untyped_storage().data_ptr()
+        assert eng.pool.k_all.untyped_storage().data_ptr() == storage  # the pool allocated once, never again
+        assert eng.count.numel() == sched.pristine + 1 <= sched.plan.rows + 1
+        assert int(eng.count[sched.pristine]) == 0  # the pristine row stays last and never fed
+        sizes.append(eng.count.numel())
+    assert sizes[0] == 5 and sizes[-1] == 2  # four rows and the pristine one; the long tail alone
+    assert sizes == sorted(sizes, reverse=True)  # nothing arrives late here: the batch only shrinks
+    if graph:
+        assert {s - 1 for s in sizes} <= {1, 2, 4}  # powers of two
+        assert 1 < sched.engine.graphs.captures <= len(set(sizes))
+    else:
+        assert 3 in {s - 1 for s in sizes}  # three rows running: no rounding up
+    for i, n in enumerate(lengths):
+        assert out[str(i)].token_ids == _alone(_prompts(5, seed=11)[i], RequestParams(
+            max_tokens=n, temperature=0, ignore_eos=True)).token_ids
     sched.close()
