@@ -156,12 +156,14 @@ def static_row(model, prompts, lens, args, device, floor: Floor, batch: int):
 
 
 def warm_up(sched: Scheduler, prompts) -> None:
-    """Fill every row with a 3-token request and drain it: the graph capture and the fused step's
-    compile at the scheduler's batch shape happen here, not in the timed run (without it, an H200
-    run's Dense continuous row took 71 s for 4,096 steps of median 7.0 ms: 29 s; we believe most of
-    the rest was that first compile, not verified)."""
-    params = RequestParams(max_tokens=3, temperature=0, ignore_eos=True)
+    """Fill every row with a short request, request ``i`` decoding ``3 + i`` tokens, and drain
+    them: the batch then shrinks one row per step through every power of two below
+    ``plan.rows``, so the graph captures and the fused step's compiles at each of those batch
+    shapes happen here, not in the timed run (without a warm-up, an H200 run's Dense continuous
+    row took 71 s for 4,096 steps of median 7.0 ms: 29 s; we believe most of the rest was that
+    first compile, not verified)."""
     for i in range(sched.plan.rows):
+        params = RequestParams(max_tokens=3 + i, temperature=0, ignore_eos=True)
         sched.add_request(f"warm{i}", prompts[i % len(prompts)][:8].tolist(), params)
     while sched.has_unfinished():
         sched.step()
