@@ -49,6 +49,7 @@ import torch
 
 from sparsecorr.decoding.driver import EngineDriver, copy_weights, load_inference_copy
 
+from .gate import Gate
 from .options import EngineOptions, engine_options
 from .requests import parse_request
 from .weights import receive_buckets, unavailable_reason
@@ -69,41 +70,6 @@ def load_policy_copy(path: str, *, device: torch.device, dtype: str = "bfloat16"
     """The inference copy: `sparsecorr.decoding.driver.load_inference_copy` (``dtype`` on CUDA,
     the checkpoint's own elsewhere; transformers' default attention for the model)."""
     return load_inference_copy(path, device=device, dtype=dtype, where="rollout.dtype")
-
-
-class _Gate:
-    """verl's admission gate: closed by `abort_all_requests`, opened by `resume_generation`.
-    Waiters park on a future of their own loop; a rejecting gate returns them at once."""
-
-    def __init__(self) -> None:
-        self.open, self.rejecting = True, False
-        self._waiters: list[asyncio.Future] = []
-
-    async def admitted(self) -> bool:
-        """True once the gate is open; False when it rejects (now, or while this call waited)."""
-        while not self.open:
-            if self.rejecting:
-                return False
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            await waiter
-        return True
-
-    def close(self, *, reject: bool) -> None:
-        self.open, self.rejecting = False, reject
-        self._wake()
-
-    def reopen(self) -> None:
-        self.open, self.rejecting = True, False
-        self._wake()
-
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
-            try:
-                w.get_loop().call_soon_threadsafe(lambda w=w: w.done() or w.set_result(None))
-            except RuntimeError:  # its loop is closed
-                pass
 
 
 class SparseCorrServer:
@@ -132,7 +98,7 @@ class SparseCorrServer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._driver: EngineDriver | None = None
         self._launch_lock = threading.Lock()
-        self._gate = _Gate()
+        self._gate = Gate()
         self._weights_on_host = False
         self._kv_released = False
 
