@@ -194,7 +194,7 @@ class SparseKVCache(CacheBase):
         by the first layer that asks and shared by the step's other layers (``Step.bias``, keyed by
         the mask object: the step's mask and a selection's gather mask are two)."""
         st = self.step
-        if (st.q_len != 1 or not getattr(self.backend, "additive_mask", False)
+        if (st.q_len != 1 or not self.backend.additive_mask
                 or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
             return mask
         st.bias = st.bias or []

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from .backends import AttentionBackend
+from .backends import AttentionBackend, check_backend
 from .cache import SparseKVCache, Step
 from .fused import fused_status
 from .graphs import CaptureSpec, DecodeGraphs
@@ -132,7 +132,7 @@ class Engine:
                                    head_dim=self.head_dim, window=spec.window, slots=slots, dtype=self.dtype,
                                    device=self.device, grad=grad)
         state = policy.new_state(self.pool, q_heads=self.heads_q, table=table)
-        self.cache = SparseKVCache(self.pool, policy=policy, state=state, backend=backend, ring=self.ring,
+        self.cache = SparseKVCache(self.pool, policy=policy, state=state, backend=check_backend(backend), ring=self.ring,
                                    sliding=spec.sliding, softcap=spec.softcap, sinks=spec.sinks)
         self.count = torch.zeros(batch, dtype=torch.long)  # valid slots per row (host)
         self.ctx = torch.zeros(batch, dtype=torch.long)  # tokens fed per row (host)
@@ -186,7 +186,7 @@ class Engine:
         part = state.plan(PlanInputs(count=self.count, ctx=self.ctx, real=real, slots=slots, offsets=i, q_len=q_len,
                                      decode=decode, static=static, budget_at=self.budget_at, to_dev=to_dev))
         # a paged kernel has no backward: a grad-enabled forward stays on the autograd path
-        paged = (bool(getattr(self.cache.backend, "paged", False)) and q_len == 1 and decode
+        paged = (self.cache.backend.paged and q_len == 1 and decode
                  and not torch.is_grad_enabled() and self.n_layers > 0)
         needed = int((self.count + real).max())  # host ints, every path (a graph step reads kv_len = capacity)
         if needed > self.pool.capacity:  # a policy whose capacity() is too small: refused before any write
@@ -262,10 +262,15 @@ class Engine:
             self.cache.step = st
             out = forward(self.model, input_ids=ids, position_ids=st.positions, cache=self.cache,
                           logits_to_keep=logits_to_keep, output_hidden_states=hidden)
-        self._peak(ids.shape[0], real)
+        self.advance(ids.shape[0], real)
+        return out
+
+    def advance(self, b: int, real: torch.Tensor) -> None:
+        """The host bookkeeping after a forward of ``b`` rows fed ``real`` (CPU ``[b]``) tokens
+        each: the peak KV read (`_peak`), then every row's slot count and context length."""
+        self._peak(b, real)
         self.count += real
         self.ctx += real
-        return out
 
     def compress_due(self, *, prefill: bool = False) -> None:
         """Evict the rows whose cache exceeds what the policy allows at their context length
@@ -369,9 +374,8 @@ class Engine:
         self.graphs = None
         if self.cache is not None:
             self.cache.step = None
-            reset = getattr(self.cache.backend, "reset_graph", None)
-            if reset is not None:
-                reset()
+            if self.cache.backend.paged:  # eager kernels again, their graph buffers dropped
+                self.cache.backend.reset_graph()
         self.cache = self.pool = self.ring = self.capture = None
 
     def attended(self, q_len: int) -> torch.Tensor:

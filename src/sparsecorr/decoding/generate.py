@@ -28,6 +28,7 @@ from .loops import Sampling, decode_loop, forced_loop, prefill
 from .memory import check_caps
 from .policies import KVPolicy
 from .rollout import KeptSets, RolloutBatch, blank_fields, kept_sets
+from .runner import ModelRunner
 from .scheduled import needs_scheduler, run_scheduled
 from .validate import (
     budget_table,
@@ -100,23 +101,24 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     chunk = prefill_chunk or int(lens.max())
     engine = Engine(model, policy=policy, backend=back, table=table, batch=live.numel(),
                     capacity=pool_capacity(policy, table, longest=longest, chunk=chunk, prompt=int(lens.max())),
-                    grad=grad,
-                    cuda_graph=cuda_graph, fused=fused, rows=live,
+                    grad=grad, rows=live,
                     chunk=max(chunk, chunk_size or 1))  # the most tokens a forward feeds (the ring's size)
     engine.kept_events = [] if record_keep else None
     engine.forced_keep = None if keep_sets is None else keep_sets.lookup()
+    runner = ModelRunner(engine, cuda_graph=cuda_graph, fused=fused)
+    del engine  # the runner owns it
     bar = tqdm(total=t_max, disable=not progress, desc=f"decode {policy.name}")
     try:
-        fields, times = _loops(engine, ids, lens, live, chunk=chunk, t_max=t_max, samp=samp,
+        fields, times = _loops(runner, ids, lens, live, chunk=chunk, t_max=t_max, samp=samp,
                                eos_token_id=eos_token_id, pruner=pruner, group_size=group_size, forced=forced,
                                forced_len=forced_len, chunk_size=chunk_size, grad=grad, bar=bar)
-        info = _engine_info(engine)
+        info = _engine_info(runner)
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)  # the loops' frames hold pool tensors: drop them
         raise
     finally:
-        engine.close()  # the pool, graphs and plans go now, on every path (no collector needed)
-        del engine  # a traceback keeps this frame: it must not keep the engine either
+        runner.close()  # the pool, graphs and plans go now, on every path (no collector needed)
+        del runner  # a traceback keeps this frame: it must not keep the runner either
         bar.close()
     out = blank_fields(b_all, t_max, samp.k, prompt_lengths=torch.zeros(b_all, dtype=torch.long))
     for name, value in fields.items():
@@ -132,9 +134,10 @@ def _run(model, ids, lens, *, policy, budget, max_new_tokens, samp, backend, pro
     return RolloutBatch(**out, kept_sets=info.pop("kept_sets"), meta=_meta(model, policy, **base, **times, **info))
 
 
-def _loops(engine, ids, lens, live, *, chunk, t_max, samp, eos_token_id, pruner, group_size, forced,
+def _loops(runner, ids, lens, live, *, chunk, t_max, samp, eos_token_id, pruner, group_size, forced,
            forced_len, chunk_size, grad, bar) -> tuple[dict, dict]:
     """Prefill, then the decode or teacher-forcing loop; the fields and the wall times."""
+    engine = runner.engine
     device = engine.device
     with eval_modules(engine.model), sparse_attention(engine.model, ATTN_NAME), active_cache(engine.cache), \
             torch.set_grad_enabled(grad):
@@ -143,7 +146,7 @@ def _loops(engine, ids, lens, live, *, chunk, t_max, samp, eos_token_id, pruner,
         _sync(device)
         t1 = time.perf_counter()
         if forced is None:
-            fields = decode_loop(engine, logits, prompt_len=lens, steps=t_max, samp=samp, eos=eos_token_id,
+            fields = decode_loop(runner, logits, prompt_len=lens, steps=t_max, samp=samp, eos=eos_token_id,
                                  pruner=pruner, group_size=group_size, bar=bar)
         else:
             fields = forced_loop(engine, logits, forced[live.to(device)], forced_len[live], prompt_len=lens,
@@ -164,9 +167,9 @@ def _graph_status(g) -> tuple[str, str]:
     return g.status, g.fused
 
 
-def _engine_info(engine) -> dict:
-    """What ``meta`` records about the engine (read before it is closed)."""
-    g = engine.graphs
+def _engine_info(runner) -> dict:
+    """What ``meta`` records about the runner's engine and graphs (read before they are closed)."""
+    engine, g = runner.engine, runner.graphs
     graph, fused = _graph_status(g)
     return {"peak_kv_bytes": engine.peak_kv_bytes, **layer_groups(engine),
             "kv_pool_bytes": engine.cache.allocated_bytes(), "cuda_graph": graph,

@@ -1,4 +1,5 @@
-r"""CUDA graphs of the single-token decode step (GPU only; ``generate(..., cuda_graph=True)``).
+r"""CUDA graphs of the single-token decode step (GPU only; ``generate(..., cuda_graph=True)``,
+driven by the model runner, `sparsecorr.decoding.runner.ModelRunner`).
 
 A decode step launches one small kernel per op for every layer (1,700-3,800 per token for a
 28-layer model), so in eager mode the host, not the GPU, sets the pace. A CUDA graph replays the
@@ -6,10 +7,24 @@ whole forward with one launch. Shapes must not change between replays, so in gra
 reads the **whole** pool (``kv_len`` = capacity, the row lengths in a mask built inside the
 graph from a device copy of the slot counts) and selection policies score a fixed number of
 pages. Everything that varies per step (token ids, positions, write slots, counts, budgets) sits
-in static device buffers refreshed before each replay; compression, sampling, FlashInfer's
-``plan`` and row selection stay outside the graph. One graph is captured per batch bucket: rows
-that finish stay as masked dummies until the live rows fit the next smaller power of two
-(`sparsecorr.decoding.loops.rows_to_keep`), then the batch shrinks and the next step captures.
+in static device buffers refreshed before each replay; compression, FlashInfer's ``plan`` and
+row selection stay outside the graph. With a `Sampling` (the runner's graphs) the captured step
+is the forward **and** the sampling (`sparsecorr.decoding.sampling.sample`: temperature, top-k,
+top-p, greedy, the top-k log-probs), as gpt-fast captures its decode step, so a replay returns
+tokens and log-probs, not logits; its noise is drawn for the whole batch and read at each row's
+index (a static ``rows`` buffer), so padding rows change no row's draw. Without one (the
+scheduler's engine, `sparsecorr.decoding.engine.Engine` with ``cuda_graph=True``) the step is the
+forward alone and returns logits. One graph is captured per batch bucket: rows that finish stay
+as masked dummies until the live rows fit the next smaller power of two
+(`sparsecorr.decoding.runner.rows_to_keep`), then the batch shrinks and the next step captures.
+
+**Random streams.** The warm-up run must not advance the sampling generator: its state is saved
+and restored around it, as the buffers the warm-up adds to are. On CUDA a generator other than
+the device's default one is registered with the graph before capture
+(``torch.cuda.CUDAGraph.register_generator_state``; declared in torch 2.13's
+``torch/_C/__init__.pyi``, used the same way by ``torch/_inductor/cudagraph_trees.py``), so each
+replay advances its Philox offset as an eager step would; the default generator is registered by
+``torch.cuda.graph`` itself.
 
 The engine plans each step once (`sparsecorr.decoding.engine.Engine.plan` with ``static=True``:
 host tensors at the graph's fixed sizes); the runner copies them into the step's static twin
@@ -45,6 +60,7 @@ import torch
 from .cache import Step, load_step, step_twin
 from .fused import capture_fused, describe, fused_forward, release, remember_failure
 from .hf import forward
+from .sampling import Sampling, sample
 
 __all__ = ["CaptureSpec", "CudaGraphRunner", "DecodeGraphs", "EagerRunner", "capture_stream", "check_graph_device"]
 
@@ -83,31 +99,48 @@ class CaptureSpec:
     head_dim: int
 
 
-def _warm_up(fn, restore: list[torch.Tensor]) -> None:
+def _warm_up(fn, restore: list[torch.Tensor], generators=()) -> None:
     """Run ``fn`` once and undo its writes to ``restore`` (the observation rings and the running
-    page sums, which the replays would otherwise add to twice), also when it raises part way
-    (a failed compile of the fused step: the unfused capture then starts from the same state)."""
+    page sums, which the replays would otherwise add to twice) and its draws from ``generators``
+    (the sampling stream: a replay draws what the eager step would), also when it raises part
+    way (a failed compile of the fused step: the unfused capture then starts from the same state)."""
     saved = [w.clone() for w in restore]
+    states = [g.get_state() for g in generators]
     try:
         fn()
     finally:
         for w, s in zip(restore, saved):
             w.copy_(s)
+        for g, st in zip(generators, states):
+            g.set_state(st)
+
+
+def _is_default(generator: torch.Generator) -> bool:
+    """Whether ``generator`` is its CUDA device's default generator (``torch.cuda.graph`` registers
+    that one itself)."""
+    index = generator.device.index
+    index = torch.cuda.current_device() if index is None else index
+    return generator is torch.cuda.default_generators[index]
 
 
 class CudaGraphRunner:
     """Warm up ``fn`` on the device's capture stream, capture it there, replay it (the output
     tensor is rewritten in place by every replay). The warm-up's side effects on ``restore`` (the
     observation rings and the running page sums, which a replay would otherwise add to twice) are
-    undone. ``fn`` is not kept."""
+    undone, and so are its draws from ``generators``; a non-default one is registered with the
+    graph (see the module's *Random streams*). ``fn`` is not kept."""
 
-    def __init__(self, fn, *, pool, restore: list[torch.Tensor], device: torch.device) -> None:
+    def __init__(self, fn, *, pool, restore: list[torch.Tensor], device: torch.device, generators=()) -> None:
         side = capture_stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            _warm_up(fn, restore)  # lazy initialisations (cuBLAS handles, FlashInfer modules) outside capture
+            # lazy initialisations (cuBLAS handles, FlashInfer modules) outside capture
+            _warm_up(fn, restore, generators)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
+        for g in generators:
+            if not _is_default(g):
+                self.graph.register_generator_state(g)
         with torch.cuda.graph(self.graph, pool=pool, stream=side):
             self.out = fn()
 
@@ -123,10 +156,11 @@ class CudaGraphRunner:
 
 class EagerRunner:
     """The same static-buffer step run eagerly (what a replay computes; used by the CPU tests),
-    with `CudaGraphRunner`'s warm-up call (where the fused step compiles) and its restore."""
+    with `CudaGraphRunner`'s warm-up call (where the fused step compiles) and its restore (the
+    buffers and the generators)."""
 
-    def __init__(self, fn, *, restore: list[torch.Tensor] = (), **_: object) -> None:
-        _warm_up(fn, restore)
+    def __init__(self, fn, *, restore: list[torch.Tensor] = (), generators=(), **_: object) -> None:
+        _warm_up(fn, restore, generators)
         self.fn = fn
 
     @staticmethod
@@ -153,18 +187,37 @@ def _graph_forward(model, cache, step: Step, ids: torch.Tensor, fused: bool = Fa
     return forward(model, input_ids=ids, position_ids=step.positions, cache=cache, logits_to_keep=1).logits[:, -1]
 
 
+def _graph_step(model, cache, step: Step, ids: torch.Tensor, rows: torch.Tensor, samp: Sampling, batch: int,
+                fused: bool = False) -> tuple:
+    """The runner's captured step: `_graph_forward`, then `sample` over the step's rows (noise
+    drawn for all ``batch`` rows, read at ``rows``). Returns ``(token [B], log-prob [B])`` and,
+    when ``samp.k`` > 0, the top-k ``(values [B, k], indices [B, k])`` too."""
+    tok, lp, top = sample(_graph_forward(model, cache, step, ids, fused), samp, rows=rows, batch=batch)
+    return (tok, lp) if top is None else (tok, lp, top.values, top.indices)
+
+
 @dataclass
 class _Captured:
     runner: object
     step: Step
     ids: torch.Tensor
+    rows: torch.Tensor | None = None
 
 
 class DecodeGraphs:
-    """One captured decode forward per batch size met (bucketed by the decode loop), for an
-    `sparsecorr.decoding.engine.Engine`."""
+    """One captured decode step per batch size met (bucketed by the model runner).
 
-    def __init__(self, *, runner=None, fused: bool | str = False) -> None:
+    Args:
+        runner: the graph runner class (`CudaGraphRunner`; `EagerRunner` in the CPU tests).
+        fused: compile the step's model forward (`sparsecorr.decoding.fused`).
+        sampling: capture the forward and the sampling (`_graph_step`; the model runner's
+            graphs); None: the forward alone, returning logits (the scheduler's engine).
+        batch: the rows the sampling noise is drawn for (the decode's first batch).
+    """
+
+    def __init__(self, *, runner=None, fused: bool | str = False, sampling: Sampling | None = None,
+                 batch: int = 0) -> None:
+        self.sampling, self.batch = sampling, batch
         self.captured: dict[int, _Captured] = {}
         self.status = "on"
         # "on", "off", or "failed: ..." once the fused step failed, in this call or an earlier
@@ -181,10 +234,12 @@ class DecodeGraphs:
         self.pool = None
 
     @staticmethod
-    def _load(spec: CaptureSpec, c: _Captured, step: Step, ids: torch.Tensor) -> None:
-        """Refresh the static buffers from the planned ``step``; a paged step's tables are planned
-        outside the graph, into its kernels' fixed buffers."""
+    def _load(spec: CaptureSpec, c: _Captured, step: Step, ids: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Refresh the static buffers from the planned ``step`` (and the rows' batch indices); a
+        paged step's tables are planned outside the graph, into its kernels' fixed buffers."""
         c.ids.copy_(ids)
+        if c.rows is not None and rows is not None:
+            c.rows.copy_(rows, non_blocking=True)
         load_step(c.step, step)
         if step.page_plan is not None:
             spec.cache.backend.begin_step(**step.page_plan)
@@ -197,14 +252,22 @@ class DecodeGraphs:
                                        keep_cap=cache.state.static_pages, group=spec.group,
                                        head_dim=spec.head_dim, device=spec.device)
         static_ids = torch.zeros_like(ids)
-        c = _Captured(runner=None, step=st, ids=static_ids)
-        self._load(spec, c, step, ids)
+        samp = self.sampling
+        static_rows = None if samp is None else torch.zeros(b, dtype=torch.long, device=spec.device)
+        c = _Captured(runner=None, step=st, ids=static_ids, rows=static_rows)
+        # the warm-up's rows stay zeros: its draws are undone and its output dropped
+        self._load(spec, c, step, ids, None)
         t0 = time.perf_counter()
         self.captured = {}  # a smaller batch never comes back: free the older graph first
         restore = cache.warm_up_buffers()
-        make = lambda fused: self.runner(  # noqa: E731
-            functools.partial(_graph_forward, spec.model, cache, st, static_ids, fused),
-            pool=self.pool, restore=restore, device=spec.device)
+        gens = () if samp is None or samp.generator is None else (samp.generator,)
+        if samp is None:
+            step_fn = lambda fused: functools.partial(_graph_forward, spec.model, cache, st, static_ids, fused)  # noqa: E731
+        else:
+            step_fn = lambda fused: functools.partial(  # noqa: E731
+                _graph_step, spec.model, cache, st, static_ids, static_rows, samp, self.batch, fused)
+        make = lambda fused: self.runner(step_fn(fused), pool=self.pool, restore=restore,  # noqa: E731
+                                         device=spec.device, generators=gens)
         before = self.fused
         c.runner, self.fused = capture_fused(make, fused=self.fused)
         if before == "on" and self.fused != "on":  # the next call with this model state skips the attempt
@@ -214,9 +277,11 @@ class DecodeGraphs:
         self.captured = {b: c}
         return c
 
-    def run(self, step: Step, ids: torch.Tensor, spec: CaptureSpec):
-        """The output (``.logits [B, 1, V]``) of the planned static ``step`` (`Engine.plan` with
-        ``static=True``) from a graph replay; None if capture failed (the caller then runs the
+    def run(self, step: Step, ids: torch.Tensor, spec: CaptureSpec, rows: torch.Tensor | None = None):
+        """A graph replay of the planned static ``step`` (`Engine.plan` with ``static=True``):
+        without sampling, the output (``.logits [B, 1, V]``); with it, a tuple of fresh tensors
+        ``(token [B], log-prob [B][, top-k values [B, k], indices [B, k]])`` (``rows`` ``[B]``:
+        each row's batch index, for the noise). None if capture failed (the caller then runs the
         step eagerly)."""
         b = ids.shape[0]
         outer = sys.exc_info()[1]
@@ -228,8 +293,11 @@ class DecodeGraphs:
             self.status = f"failed: {type(exc).__name__}"
             self.captured = {}
             warnings.warn(f"cuda_graph: capture failed, decoding eagerly ({error})", RuntimeWarning, stacklevel=2)
-            if hasattr(spec.cache.backend, "reset_graph"):  # eager kernels for the eager steps
+            if spec.cache.backend.paged:  # eager kernels for the eager steps
                 spec.cache.backend.reset_graph()
             return None
-        self._load(spec, c, step, ids)
-        return SimpleNamespace(logits=c.runner.replay()[:, None].clone())
+        self._load(spec, c, step, ids, rows)
+        out = c.runner.replay()
+        if self.sampling is not None:
+            return tuple(t.clone() for t in out)
+        return SimpleNamespace(logits=out[:, None].clone())

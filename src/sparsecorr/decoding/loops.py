@@ -1,78 +1,24 @@
-r"""The three loops over the [`Engine`][sparsecorr.decoding.engine.Engine]: prefill, sampling
-(``generate``) and chunked teacher forcing (``teacher_forced_logprobs``).
+r"""The three loops: prefill and chunked teacher forcing over the
+[`Engine`][sparsecorr.decoding.engine.Engine], sampling (``generate``) over the
+[`ModelRunner`][sparsecorr.decoding.runner.ModelRunner].
 
 Per-step records stay on the device (tokens, log-probs, top-k) or are computed on the host
-(budgets, attended KV). The EOS check is the one host read per step: eager steps read it at once;
-CUDA-graph steps read step t's flags at step t + 1 (a pinned copy and an event), so the host runs
-a forward ahead of the GPU instead of waiting for it every token. Without an EOS token, no read.
+(budgets, attended KV). The decode loop sees only what each runner step returns
+(`sparsecorr.decoding.runner.StepOutput`): the new tokens and which rows finished; how the step
+ran, and when it checks for EOS, are the runner's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 
-from ..mismatch import truncate_logits
 from .engine import Engine
+from .runner import ModelRunner
+from .sampling import Sampling, device_generator, sample, sample_categorical
 
 __all__ = ["Sampling", "decode_loop", "device_generator", "forced_loop", "prefill", "sample", "sample_categorical"]
 
 _BLOCK = 1 << 24  # float32 logits elements processed at once when scoring a chunk
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    k: int  # recorded top-k (0 = none)
-    generator: torch.Generator | None
-
-
-def device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
-    """A generator on ``device`` for sampling there: ``generator`` itself when it already lives
-    on that device (or is None), else a new one seeded by one draw from ``generator`` (a host
-    draw, no device sync), so seeded runs stay reproducible. Call once per ``generate`` call."""
-    if generator is None or generator.device == torch.device(device):
-        return generator
-    seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    r"""One draw per row of ``probs [N, V]`` (unnormalised is fine): \(\arg\max_v p_v / E_v\)
-    with \(E_v \sim \mathrm{Exp}(1)\) i.i.d. (the exponential race; equivalent to Gumbel-max),
-    which is how ``torch.multinomial`` draws a single sample, so on the same generator state it
-    returns exactly ``torch.multinomial(probs, 1, generator=generator)``. The noise is drawn on
-    ``probs``' device from ``generator`` (which must live there: see `device_generator`); no
-    host sync. Shapes: ``[N, V]`` -> ``[N]``."""
-    noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / noise).argmax(-1)
-
-
-def sample(logits: torch.Tensor, samp: Sampling, forced: torch.Tensor | None = None):
-    """Next token, its log-prob and the top-k, all from the processed distribution.
-
-    Temperature first, then top-k, then top-p (as transformers and vLLM do); ``temperature=0``
-    is greedy with the untempered log-probs.
-
-    Shapes:
-        logits ``[N, V]``; forced ``[N]`` -> token ``[N]``, log-prob ``[N]`` float32, top-k
-        (values, indices) ``[N, k]`` or None.
-    """
-    z = logits.float()
-    if samp.temperature > 0:
-        z = truncate_logits(z / samp.temperature, samp.top_k, samp.top_p)
-    logp_all = torch.log_softmax(z, dim=-1)
-    if forced is not None:
-        tok = forced
-    elif samp.temperature > 0:
-        tok = sample_categorical(logp_all.exp(), samp.generator)
-    else:
-        tok = logp_all.argmax(-1)
-    top = logp_all.topk(min(samp.k, logp_all.shape[-1]), dim=-1) if samp.k > 0 else None
-    return tok, logp_all.gather(1, tok[:, None]).squeeze(1), top
 
 
 def prefill(engine: Engine, ids: torch.Tensor, lens: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -128,143 +74,74 @@ class _Records:
                     pruned=self.pruned, pruned_at=self.pruned_at)
 
 
-def _prune(engine, pruner, hidden, active, rec, *, group_size, step):
-    """ARRoL decision at the detection length: drop the rows the pruner cuts."""
+def _prune(pruner, hidden, rows, rec, *, group_size, step) -> torch.Tensor:
+    """ARRoL decision at the detection length over the running ``rows`` (CPU long): marks the rows
+    the pruner cuts and returns them."""
     decision = pruner.decide(hidden, group_size=group_size).cpu()
-    cut = ~decision[active]
-    rec.pruned[active[cut]] = True
-    rec.pruned_at[active[cut]] = step
-    for r in active[cut].tolist():
+    cut = rows[~decision[rows]]
+    rec.pruned[cut] = True
+    rec.pruned_at[cut] = step
+    for r in cut.tolist():
         rec.finish[r] = "pruned"
-    return ~cut
+    return cut
 
 
-def bucket(n: int) -> int:
-    """The CUDA-graph batch bucket of ``n`` live rows: the next power of two."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def rows_to_keep(live: torch.Tensor, *, padded: bool) -> torch.Tensor:
-    """Engine rows to keep (CPU bool ``[B]``) once some rows finished (``live`` False).
-
-    Eager decoding keeps the live rows. CUDA-graph decoding (``padded``) keeps finished rows as
-    masked dummies while the live count stays in the batch's bucket, and otherwise shrinks the
-    batch to the live count's bucket (the live rows plus the first finished ones), so a run
-    captures one graph per power of two met, not one per batch size.
-    """
-    if not padded:
-        return live
-    target = bucket(int(live.sum()))
-    if target >= live.numel():
-        return torch.ones_like(live)
-    fill = (~live).nonzero().squeeze(1)[: target - int(live.sum())]
-    return live.clone().index_fill_(0, fill, True)
-
-
-def _eos_flags(tok: torch.Tensor, eos_t: torch.Tensor):
-    """Which sampled tokens are EOS, copied to the host without waiting: ``(host bool [N], event)``
-    (read it with `_read_eos` once the event has passed)."""
-    flags = torch.isin(tok, eos_t)
-    host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=flags.is_cuda)
-    host.copy_(flags, non_blocking=True)
-    event = None
-    if flags.is_cuda:
-        event = torch.cuda.Event()
-        event.record()
-    return host, event
-
-
-def _read_eos(pending, rec: _Records, t: int) -> torch.Tensor:
-    """The EOS flags of step ``t`` (``pending = (ids, host flags, event)``); marks those rows
-    finished. A row read one step late was fed its EOS token: its attended-KV record of that
-    step is cleared, as a row that stops at once never records one."""
-    ids, host, event = pending
-    if event is not None:
-        event.synchronize()  # the sampling of step t, long done: the GPU is a forward ahead
-    done = host.clone()
-    for r in ids[done].tolist():
+def _finished(rec: _Records, rows: torch.Tensor, t: int) -> None:
+    """Rows ``rows`` stopped at EOS; a row whose EOS was read after its next forward was fed
+    that token: its attended-KV record of step ``t`` is cleared, as a row that stops at once
+    never records one."""
+    for r in rows.tolist():
         rec.finish[r] = "eos"
         rec.kept[r, t] = 0.0
-    return done
 
 
-def _drop_finished(engine: Engine, active, live, done):
-    """Mark the ``done`` live rows finished; shrink the engine's batch where `rows_to_keep` says
-    so. Returns ``(active, live, kept engine rows or None)``."""
-    live[live.nonzero().squeeze(1)[done]] = False
-    keep = rows_to_keep(live, padded=engine.graphs is not None and engine.graphs.status == "on")
-    if bool(keep.all()):
-        return active, live, None
-    kept = engine.select_rows(keep)
-    return active[kept], live[kept], kept
-
-
-def decode_loop(engine: Engine, logits: torch.Tensor, *, prompt_len: torch.Tensor, steps: int,
+def decode_loop(runner: ModelRunner, logits: torch.Tensor, *, prompt_len: torch.Tensor, steps: int,
                 samp: Sampling, eos, pruner, group_size, bar) -> dict:
     """Sample ``steps`` tokens per row (fewer for rows that stop); returns RolloutBatch fields.
 
-    ``active`` maps engine rows to batch rows; ``live`` marks the rows still decoding (in
-    CUDA-graph mode finished rows may stay as dummies: fed, never advanced, never recorded).
-    With CUDA graphs (and no pruner) the EOS flags of a step are read one step late, so the
-    host never waits for the step it has just launched: a row that sampled EOS is fed once more
-    (its result unused) and leaves the batch at the next step. Eager steps read them at once.
+    Each step of the [`ModelRunner`][sparsecorr.decoding.runner.ModelRunner] returns the rows'
+    next tokens (`StepOutput`); this loop records them, with the budget and the attended KV of
+    each fed token, and marks the rows that finished (EOS, or cut by the pruner, which reads the
+    hidden states of the tokens ``detect_len - window .. detect_len - 1``).
     """
-    b, dev = logits.shape[0], engine.device
-    samp = replace(samp, generator=device_generator(samp.generator, logits.device))
+    b, dev, t = logits.shape[0], runner.engine.device, 0
     rec = _Records(b, steps, samp.k, dev)
-    eos_t = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=dev)
-    hidden = None if pruner is None else torch.zeros(b, pruner.window, engine.spec.hidden_size, device=dev)
-    active, live = torch.arange(b), torch.ones(b, dtype=torch.bool)
-    lagged = eos_t is not None and pruner is None and engine.graphs is not None and engine.graphs.status == "on"
-    pending = None
+    hidden = None if pruner is None else torch.zeros(b, pruner.window, runner.engine.spec.hidden_size, device=dev)
+    out = runner.start(logits, sampling=samp, eos=eos)
     for t in range(steps):
-        if pending is not None:  # the EOS flags of step t - 1
-            done, pending = _read_eos(pending, rec, t - 1), None
-            if bool(done.all()):
+        rows, sel = out.rows, None
+        if t > 0:
+            slot = None if pruner is None else t - 1 - (pruner.detect_len - pruner.window)
+            want_hidden = slot is not None and 0 <= slot < pruner.window
+            out = runner.step(hidden_layer=pruner.layer if want_hidden else None)
+            rec.kept[out.fed, t - 1] = out.kept
+            _finished(rec, out.late_eos, t - 1)
+            if want_hidden:  # hidden states of generated tokens detect_len - window ... detect_len - 1
+                hidden[out.fed.to(dev), slot] = out.hidden.float()
+            rows = out.rows
+            if pruner is not None and t == pruner.detect_len:
+                cut = _prune(pruner, hidden, rows, rec, group_size=group_size, step=t)
+                runner.drop(cut)
+                sel = ~torch.isin(rows, cut)
+                rows = rows[sel]
+            if rows.numel() == 0:
                 break
-            if bool(done.any()):
-                active, live, kept = _drop_finished(engine, active, live, done)
-                logits = logits if kept is None else logits[kept.to(dev)]
-        padded = not bool(live.all())
-        at = live.nonzero().squeeze(1).to(dev, non_blocking=True) if padded else None  # live engine rows
-        ids = active[live]
-        rows = ids.to(dev, non_blocking=True)
-        tok, lp, top = sample(logits[at] if padded else logits, samp)
-        rec.tok[rows, t], rec.logp[rows, t] = tok, lp
+        tok, lp, top = out.tokens, out.logp, out.topk
+        if sel is not None and not bool(sel.all()):
+            at = sel.nonzero().squeeze(1).to(dev)
+            tok, lp, top = tok[at], lp[at], None if top is None else (top[0][at], top[1][at])
+        at_rows = rows.to(dev, non_blocking=True)
+        rec.tok[at_rows, t], rec.logp[at_rows, t] = tok, lp
         if top is not None:
-            rec.tk[rows, t], rec.ti[rows, t] = top.values, top.indices
-        rec.length[ids] += 1
-        rec.budget[ids, t] = engine.budget_at(prompt_len[ids] + t)
-        done = torch.zeros(len(ids), dtype=torch.bool)
-        if lagged:
-            pending = (ids, *_eos_flags(tok, eos_t))
-        elif eos_t is not None:
-            done = _read_eos((ids, *_eos_flags(tok, eos_t)), rec, t)
+            rec.tk[at_rows, t], rec.ti[at_rows, t] = top
+        rec.length[rows] += 1
+        rec.budget[rows, t] = runner.budget_at(prompt_len[rows] + t)
+        eos_rows = out.eos if sel is None else out.eos[torch.isin(out.eos, rows)]
+        _finished(rec, eos_rows, t)
         bar.update(1)
-        if t + 1 == steps or bool(done.all()):
+        if t + 1 == steps or runner.running == 0:
             break
-        if padded:  # dummies are fed token 0
-            tok = torch.zeros(len(active), dtype=tok.dtype, device=dev).index_copy_(0, at, tok)
-        if bool(done.any()):
-            active, live, kept = _drop_finished(engine, active, live, done)
-            tok = tok if kept is None else tok[kept.to(dev)]
-        slot = None if pruner is None else t - (pruner.detect_len - pruner.window)
-        want_hidden = slot is not None and 0 <= slot < pruner.window
-        out = engine.feed(tok[:, None], live.long(), decode=True, logits_to_keep=1, hidden=want_hidden)
-        logits = out.logits[:, -1]
-        rec.kept[active[live], t] = engine.attended(1)[live, 0]
-        if want_hidden:  # hidden states of generated tokens detect_len - window ... detect_len - 1
-            hidden[active.to(dev), slot] = out.hidden_states[pruner.layer][:, -1].float()
-        if pruner is not None and t + 1 == pruner.detect_len:  # no dummies: a pruner runs eagerly
-            keep = _prune(engine, pruner, hidden, active, rec, group_size=group_size, step=t + 1)
-            if not bool(keep.any()):
-                break
-            if not bool(keep.all()):
-                rows_kept = engine.select_rows(keep)
-                active, live, logits = active[rows_kept], live[rows_kept], logits[rows_kept.to(dev)]
-        engine.compress_due()
-    if pending is not None:
-        _read_eos(pending, rec, t)
+    _finished(rec, runner.finish(), t)
     return rec.fields()
 
 
@@ -329,3 +206,13 @@ def _assemble(pieces, forced, forced_len, kept, *, engine, prompt_len, k) -> dic
                 rollout_logp=logp, topk_logp=tk, topk_ids=ti, budget=budget,
                 kv_kept=torch.where(fed, kept, 0.0), finish_reason=("length",) * b,
                 pruned=torch.zeros(b, dtype=torch.bool), pruned_at=torch.full((b,), -1, dtype=torch.long))
+
+
+def __getattr__(name: str):
+    """Names that moved to `sparsecorr.decoding.runner` stay importable from here for callers not
+    yet ported to the runner (the scheduler); to be removed once none imports them from here."""
+    from . import runner
+
+    if name in runner.__all__:
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,11 +1,12 @@
-r"""Per-row sampling: every row of one step with its own request's temperature, top-k, top-p,
-recorded top-k and random stream (the scheduler's rows; ``generate``'s one-setting batch uses
-`sparsecorr.decoding.loops.sample`).
+r"""Sampling: one setting for a whole batch (`Sampling`, `sample`: ``generate``'s batch, run inside
+the model runner's step, `sparsecorr.decoding.runner`) and per-row settings (`RowSampling`,
+`sample_rows`: every row of one step with its own request's temperature, top-k, top-p, recorded
+top-k and random stream: the scheduler's rows).
 
-Per row, the same processing as `loops.sample` (transformers' and vLLM's order): temperature,
+Per row, `sample_rows` does the same processing as `sample` (transformers' and vLLM's order): temperature,
 then top-k, then top-p (`sparsecorr.mismatch.truncate_logits`, vectorised over rows with
 per-row ``k`` and ``p``); a row with temperature 0 is greedy with the untempered log-probs and no
-truncation. A sampling row draws with the exponential race of `loops.sample_categorical`
+truncation. A sampling row draws with the exponential race of `sample_categorical`
 (\(\arg\max_v p_v / E_v\), \(E_v \sim \mathrm{Exp}(1)\)); a row with its own generator draws its
 ``E`` from it alone, so its tokens depend on nothing else in the step.
 """
@@ -17,7 +18,78 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RowSampling", "sample_rows"]
+from ..mismatch import truncate_logits
+
+__all__ = ["RowSampling", "Sampling", "device_generator", "sample", "sample_categorical", "sample_rows"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One sampling setting for every row: ``temperature`` (0 = greedy), ``top_k`` / ``top_p``
+    (None = off), ``k`` (top-k log-probs recorded, 0 = none) and ``generator`` (None: torch's
+    default)."""
+
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    k: int  # recorded top-k (0 = none)
+    generator: torch.Generator | None
+
+
+def device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """A generator on ``device`` for sampling there: ``generator`` itself when it already lives
+    on that device (or is None), else a new one seeded by one draw from ``generator`` (a host
+    draw, no device sync), so seeded runs stay reproducible. Call once per ``generate`` call."""
+    if generator is None or generator.device == torch.device(device):
+        return generator
+    seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    r"""One draw per row of ``probs [N, V]`` (unnormalised is fine): \(\arg\max_v p_v / E_v\)
+    with \(E_v \sim \mathrm{Exp}(1)\) i.i.d. (the exponential race; equivalent to Gumbel-max),
+    which is how ``torch.multinomial`` draws a single sample, so on the same generator state it
+    returns exactly ``torch.multinomial(probs, 1, generator=generator)``. The noise is drawn on
+    ``probs``' device from ``generator`` (which must live there: see `device_generator`); no
+    host sync. Shapes: ``[N, V]`` -> ``[N]``."""
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+def sample(logits: torch.Tensor, samp: Sampling, forced: torch.Tensor | None = None, *,
+           rows: torch.Tensor | None = None, batch: int | None = None):
+    """Next token, its log-prob and the top-k, all from the processed distribution.
+
+    Temperature first, then top-k, then top-p (as transformers and vLLM do); ``temperature=0``
+    is greedy with the untempered log-probs.
+
+    ``rows`` / ``batch``: the noise of a sampling step is drawn for the whole batch of ``batch``
+    rows (``[batch, V]``, one draw per step whatever rows are running) and row ``i`` reads row
+    ``rows[i]`` of it, so a row's token depends on its index in the batch only, not on which
+    other rows share the step or on padding rows (the model runner's graph step runs padded
+    batches, its eager step does not: both draw the same noise). Without ``rows``, the noise is
+    ``[N, V]`` (`sample_categorical`).
+
+    Shapes:
+        logits ``[N, V]``; forced ``[N]``; rows ``[N]`` long (device, ``< batch``) -> token ``[N]``, log-prob ``[N]`` float32, top-k
+        (values, indices) ``[N, k]`` or None.
+    """
+    z = logits.float()
+    if samp.temperature > 0:
+        z = truncate_logits(z / samp.temperature, samp.top_k, samp.top_p)
+    logp_all = torch.log_softmax(z, dim=-1)
+    if forced is not None:
+        tok = forced
+    elif samp.temperature > 0 and rows is not None:
+        noise = z.new_empty(batch, z.shape[-1]).exponential_(1, generator=samp.generator)[rows]
+        tok = (logp_all.exp() / noise).argmax(-1)
+    elif samp.temperature > 0:
+        tok = sample_categorical(logp_all.exp(), samp.generator)
+    else:
+        tok = logp_all.argmax(-1)
+    top = logp_all.topk(min(samp.k, logp_all.shape[-1]), dim=-1) if samp.k > 0 else None
+    return tok, logp_all.gather(1, tok[:, None]).squeeze(1), top
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

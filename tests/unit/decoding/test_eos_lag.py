@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import sparsecorr.decoding.engine as engine_mod
-import sparsecorr.decoding.loops as loops_mod
+import sparsecorr.decoding.graphs as graphs_mod
+import sparsecorr.decoding.runner as runner_mod
 from sparsecorr.decoding import RKV, Dense, StreamingLLM, generate
 from tests.models import tiny_model
 
@@ -36,10 +37,13 @@ def test_graph_steps_with_late_eos_equal_eager_steps(policy, cpu_graphs):
 
 def test_graph_steps_launch_the_next_forward_before_reading_eos(cpu_graphs, monkeypatch):
     events = []
-    real_read, real_feed = loops_mod._read_eos, engine_mod.Engine.feed
-    monkeypatch.setattr(loops_mod, "_read_eos", lambda *a: events.append("read") or real_read(*a))
+    real_read, real_feed, real_run = runner_mod._read_eos, engine_mod.Engine.feed, graphs_mod.DecodeGraphs.run
+    monkeypatch.setattr(runner_mod, "_read_eos", lambda *a: events.append("read") or real_read(*a))
     monkeypatch.setattr(engine_mod.Engine, "feed",
                         lambda self, *a, **kw: events.append("feed") or real_feed(self, *a, **kw))
+    # a graph step's forward is the replay (the runner plans it and calls the graphs, not feed)
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "run",
+                        lambda self, *a, **kw: events.append("feed") or real_run(self, *a, **kw))
     model = tiny_model("qwen3", num_layers=2)
     prefill = ["feed"] * 3  # 9 prompt tokens in chunks of 4
     for graph, order in ((False, ["read", "feed", "read"]), (True, ["feed", "read", "feed"])):

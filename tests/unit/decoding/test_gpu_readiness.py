@@ -116,7 +116,7 @@ def test_failed_capture_resets_the_paged_backend():
     assert ref["lengths"].unique().numel() > 1  # rows leave the batch at different steps
     with pytest.warns(RuntimeWarning, match="capture failed"):
         got, engine = decode_steps(model, ids, Dense(), None, backend=_paged(), runner=Broken, steps=24, eos=eos)
-    assert engine.graphs.status.startswith("failed") and not engine.cache.backend._graph
+    assert engine.graphs.status.startswith("failed") and not engine.engine.cache.backend._graph
     assert torch.equal(got["tokens"], ref["tokens"])
 
 
@@ -129,7 +129,7 @@ def test_paged_graph_step_equals_eager_torch(policy):
     for eos in (None, [11, 63]):
         ref, _ = decode_steps(model, ids, policy, 8, backend=TorchBackend(), steps=16, eos=eos)
         got, engine = decode_steps(model, ids, policy, 8, backend=_paged(), runner=EagerRunner, steps=16, eos=eos)
-        assert engine.graphs.status == "on" and engine.cache.backend._graph
+        assert engine.graphs.status == "on" and engine.engine.cache.backend._graph
         assert torch.equal(got["tokens"], ref["tokens"]) and torch.equal(got["lengths"], ref["lengths"])
         torch.testing.assert_close(got["rollout_logp"], ref["rollout_logp"], atol=2e-5, rtol=0)
 

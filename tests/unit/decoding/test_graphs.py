@@ -9,9 +9,9 @@ from sparsecorr.decoding import RKV, BlockTopK, Dense, StreamingLLM
 from sparsecorr.decoding.backends import TorchBackend
 from sparsecorr.decoding.cache import ATTN_NAME, active_cache
 from sparsecorr.decoding.engine import Engine
-from sparsecorr.decoding.graphs import DecodeGraphs
 from sparsecorr.decoding.hf import sparse_attention
 from sparsecorr.decoding.loops import Sampling, decode_loop, prefill
+from sparsecorr.decoding.runner import ModelRunner
 from sparsecorr.decoding.validate import budget_table
 from tests.models import tiny_model
 from tests.unit.decoding.drive import decode_steps
@@ -47,14 +47,14 @@ def test_capture_failure_falls_back_to_eager(monkeypatch):
     lens = torch.full((2,), 5)
     table = budget_table(None, dense=True, longest=11)
     engine = Engine(model, policy=Dense(), backend=TorchBackend(), table=table, batch=2, capacity=11, grad=False)
-    engine.graphs = DecodeGraphs(runner=Broken)
     samp = Sampling(temperature=0.0, top_k=None, top_p=None, k=3, generator=None)
     with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad(), \
             pytest.warns(RuntimeWarning, match="capture failed"):
         logits = prefill(engine, ids, lens, 5)
-        got = decode_loop(engine, logits, prompt_len=lens, steps=6, samp=samp, eos=None, pruner=None,
+        runner = ModelRunner(engine, graph_runner=Broken)
+        got = decode_loop(runner, logits, prompt_len=lens, steps=6, samp=samp, eos=None, pruner=None,
                           group_size=None, bar=type("B", (), {"update": lambda self, n: None})())
-    assert engine.graphs.status.startswith("failed")
+    assert runner.graphs.status.startswith("failed")
     assert torch.equal(got["tokens"], ref["tokens"])
 
 
@@ -82,7 +82,7 @@ def test_graph_batches_are_bucketed_by_powers_of_two():
 
 
 def test_rows_to_keep_pads_to_the_bucket():
-    from sparsecorr.decoding.loops import bucket, rows_to_keep
+    from sparsecorr.decoding.runner import bucket, rows_to_keep
 
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
     live = torch.tensor([True, False, True, True, False, False])

@@ -19,6 +19,7 @@ import sparsecorr.decoding.cache as cache_mod
 import sparsecorr.decoding.engine as engine_mod
 import sparsecorr.decoding.graphs as graphs_mod
 import sparsecorr.decoding.loops as loops_mod
+import sparsecorr.decoding.runner as runner_mod
 from sparsecorr.decoding import (
     RKV,
     BlockTopK,
@@ -79,8 +80,8 @@ def test_an_exception_inside_the_loop_leaves_nothing_allocated(policy, graph, wh
     still alive when the weak references are checked."""
     model = tiny_model("qwen3", num_layers=3)
     calls = {"n": 0}
-    if where == "loop":  # the sampler, called once per decode step
-        real = loops_mod.sample
+    if where == "loop":  # the sampler, called once per decode step (by the runner, or inside the graph step)
+        real = runner_mod.sample
 
         def sample(*a, **kw):
             calls["n"] += 1
@@ -88,7 +89,8 @@ def test_an_exception_inside_the_loop_leaves_nothing_allocated(policy, graph, wh
                 raise _Injected("injected in the decode loop")
             return real(*a, **kw)
 
-        monkeypatch.setattr(loops_mod, "sample", sample)
+        monkeypatch.setattr(runner_mod, "sample", sample)
+        monkeypatch.setattr(graphs_mod, "sample", sample)
     else:  # the attention of a decode step, deep inside the model's forward
         real_attend = cache_mod.SparseKVCache.attend
 

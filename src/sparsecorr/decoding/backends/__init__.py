@@ -7,16 +7,19 @@ import warnings
 
 import torch
 
-from .base import AttentionBackend
+from .base import AttentionBackend, DeclaredBackend, PagedCapable, check_backend
 from .paged import PagedBackend, ReferenceDecodeKernel
 from .torch_ref import ReferenceBackend, TorchBackend
 
 __all__ = [
     "AttentionBackend",
+    "DeclaredBackend",
     "PagedBackend",
+    "PagedCapable",
     "ReferenceBackend",
     "ReferenceDecodeKernel",
     "TorchBackend",
+    "check_backend",
     "choose_backend",
     "get_backend",
     "select_backend",
@@ -111,10 +114,14 @@ def select_backend(name: str | AttentionBackend = "auto", *, device: torch.devic
     CUDA, no package, not bf16 / fp16) and `ValueError` for a ``head_dim`` or ``group_size`` its
     kernels are not built for, rather than falling back. Without ``head_dim`` (a caller that does
     not know the model's shape) the shape is not checked. A backend object (anything with
-    ``attend``) is returned as is, labelled by its ``name``.
+    ``attend``) is checked once (`check_backend`: its declared ``paged`` / ``additive_mask``, the
+    paged methods where ``paged``; one declaring neither is taken as a plain backend with boolean
+    masks, `DeclaredBackend`) and returned, labelled by its ``name``; a ``ValueError`` naming
+    ``backend`` says what a malformed one lacks.
     """
     if not isinstance(name, str) and hasattr(name, "attend"):
-        return name, getattr(name, "name", type(name).__name__)
+        back = check_backend(name)
+        return back, getattr(back, "name", type(back).__name__)
     dev = torch.device(device)
     resolved = choose_backend(name, device=dev, flashinfer_ok=True)  # checks the name
     if name == "auto":

@@ -123,6 +123,7 @@ class PagedBackend:
     """
 
     paged = True
+    additive_mask = False  # prefill chunks go to SDPA with the boolean mask
 
     def __init__(self, kernel_factory: Callable[..., DecodeKernel], *, name: str) -> None:
         self.name = name

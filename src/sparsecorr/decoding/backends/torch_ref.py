@@ -113,6 +113,7 @@ class TorchBackend:
     """
 
     name = "torch"
+    paged = False
     additive_mask = True  # the engine may pass a step's mask as a float bias (0 / -inf): no per-layer conversion
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -149,6 +150,8 @@ class ReferenceBackend:
     A row with nothing allowed (and no sink) gives 0. Returns the query's dtype."""
 
     name = "reference"
+    paged = False
+    additive_mask = False  # the float32 oracle takes the boolean mask
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                allowed: torch.Tensor | None, *, scaling: float, softcap: float | None = None,
