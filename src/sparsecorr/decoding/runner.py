@@ -172,6 +172,7 @@ class ModelRunner:
             self.graphs.sampling, self.graphs.batch = self.samp, b
         self.lagged = self.eos_t is not None and self._graph_on()
         self.active, self.live = torch.arange(b), torch.ones(b, dtype=torch.bool)
+        self.running = b  # live rows (host int, kept with `live`: no device op per step to count them)
         self.pending = None
         tok, lp, top = sample(logits, self.samp)
         self.tok = tok
@@ -180,11 +181,6 @@ class ModelRunner:
     def _graph_on(self) -> bool:
         return self.graphs is not None and self.graphs.status == "on"
 
-    @property
-    def running(self) -> int:
-        """Rows that may still decode."""
-        return int(self.live.sum())
-
     def budget_at(self, ctx: torch.Tensor) -> torch.Tensor:
         """The policy's budget at context lengths ``ctx`` (`Engine.budget_at`)."""
         return self.engine.budget_at(ctx)
@@ -192,7 +188,14 @@ class ModelRunner:
     def drop(self, rows: torch.Tensor) -> None:
         """Stop the batch rows ``rows`` (CPU long): they decode no further and leave the engine's
         batch at the next step (as a finished row does)."""
-        self.live &= ~torch.isin(self.active, rows)
+        if rows.numel():
+            self.live &= ~torch.isin(self.active, rows)
+            self.running = int(self.live.sum())
+
+    @property
+    def _all_live(self) -> bool:
+        """No finished row in the engine's batch (host ints only)."""
+        return self.running == len(self.live)
 
     def finish(self) -> torch.Tensor:
         """The batch rows whose last token was EOS, where that read was still pending (the graph
@@ -205,6 +208,8 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------------------
     def _shrink(self) -> None:
         """Drop the finished rows from the engine's batch, as `rows_to_keep` says for this path."""
+        if self._all_live:
+            return
         keep = rows_to_keep(self.live, padded=self._graph_on())
         if bool(keep.all()):
             return
@@ -236,8 +241,10 @@ class ModelRunner:
             tok, lp, top = sample(out.logits[:, -1], self.samp, rows=rows_dev, batch=self.batch)
             if hidden_layer is not None:
                 hidden = out.hidden_states[hidden_layer][:, -1]
-        fed, kept = self.active[self.live], engine.attended(1)[self.live, 0]
-        padded = not bool(self.live.all())
+        padded = not self._all_live
+        fed, kept = self.active, engine.attended(1)[:, 0]
+        if padded:
+            fed, kept = fed[self.live], kept[self.live]
         if hidden is not None and padded:
             hidden = hidden[self.live.nonzero().squeeze(1).to(dev)]
         engine.compress_due()
@@ -246,13 +253,13 @@ class ModelRunner:
             late, self.pending = _read_eos(self.pending), None
             self.drop(late)
         self.tok = tok
-        at = self.live.nonzero().squeeze(1).to(dev, non_blocking=True) if not bool(self.live.all()) else None
+        at = None if self._all_live else self.live.nonzero().squeeze(1).to(dev, non_blocking=True)
         return self._output(tok, lp, top, fed=fed, kept=kept, hidden=hidden, at=at, late=late)
 
     def _output(self, tok, lp, top, *, fed, kept, hidden, at, late=_EMPTY) -> StepOutput:
         """The `StepOutput` of the running rows (engine rows ``at``, None: all of them) and the
         EOS check of their new tokens (read now, or launched for the next step)."""
-        rows = self.active[self.live]
+        rows = self.active if at is None else self.active[self.live]
         if at is not None:
             tok, lp = tok[at], lp[at]
             top = None if top is None else (top[0][at], top[1][at])

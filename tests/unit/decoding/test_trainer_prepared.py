@@ -23,7 +23,7 @@ import torch
 
 import sparsecorr.decoding.fused as fused_mod
 import sparsecorr.decoding.graphs as graphs_mod
-import sparsecorr.decoding.loops as loops_mod
+import sparsecorr.decoding.runner as runner_mod
 from sparsecorr._modes import eval_mode
 from sparsecorr.decoding import generate
 from sparsecorr.decoding.hf import model_state
@@ -108,7 +108,7 @@ def test_a_model_in_train_mode_runs_fused_and_is_restored(prepared, cpu_graphs, 
         for got in (rolled, direct):
             assert got.meta["fused"] == "on"
             _same_outputs(got, ref)
-        monkeypatch.setattr(loops_mod, "sample", _raise)  # inside the decode loop
+        monkeypatch.setattr(runner_mod, "sample", _raise)  # inside the decode loop (the runner samples)
         with pytest.raises(_Injected):
             _generate(prepared, policy, fused=True)
         assert _snapshot(prepared) == before
