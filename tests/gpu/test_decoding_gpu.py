@@ -224,3 +224,26 @@ def test_auto_picks_flashinfer_on_cuda():
     ids, am = _prompts(b=2, p=64)
     out = generate(model, ids, am, policy=RKV(buffer=16), budget=32, max_new_tokens=4)
     assert out.meta["backend"] == "flashinfer"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"], ids=["cuda-generator", "cpu-generator"])
+def test_seeded_graph_steps_sample_as_eager_steps(device):
+    """Issue 50: the captured step samples (forward + sampling in one graph). A seeded run gives the
+    eager run's tokens: the warm-up leaves the generator where it was, a non-default CUDA
+    generator is registered with each graph (``register_generator_state``), and every step draws
+    its noise for the whole batch, so padding rows and late-read EOS rows change no row's draw.
+    float32, so the two paths' logits differ by float noise only; EOS ends rows at different steps
+    (the batch pads, then shrinks to a smaller bucket)."""
+    model = _model(layers=2, dtype=torch.float32)
+    ids, am = _prompts(b=6, p=32)
+    kw = dict(policy=RKV(buffer=16), budget=32, max_new_tokens=48, temperature=1.0, top_p=0.95,
+              logprobs_topk=2, eos_token_id=[7, 11, 19, 23, 29])
+    gen = lambda: torch.Generator(device).manual_seed(0)  # noqa: E731
+    eager = generate(model, ids, am, generator=gen(), **kw)
+    graph = generate(model, ids, am, generator=gen(), cuda_graph=True, fused=False, **kw)
+    again = generate(model, ids, am, generator=gen(), cuda_graph=True, fused=False, **kw)
+    assert graph.meta["cuda_graph"] == "on", graph.meta["cuda_graph"]
+    assert torch.equal(graph.tokens, again.tokens)
+    assert torch.equal(graph.tokens, eager.tokens) and torch.equal(graph.lengths, eager.lengths)
+    assert graph.finish_reason == eager.finish_reason
+    torch.testing.assert_close(graph.rollout_logp, eager.rollout_logp, atol=1e-4, rtol=0)

@@ -18,8 +18,9 @@ forward alone and returns logits. One graph is captured per batch bucket: rows t
 as masked dummies until the live rows fit the next smaller power of two
 (`sparsecorr.decoding.runner.rows_to_keep`), then the batch shrinks and the next step captures.
 
-**Random streams.** The warm-up run must not advance the sampling generator: its state is saved
-and restored around it, as the buffers the warm-up adds to are. On CUDA a generator other than
+**Random streams.** The warm-up run must not advance the sampling generator (the caller's, or
+torch's default one for the device): its state is saved and restored around it, as the buffers
+the warm-up adds to are. On CUDA a generator other than
 the device's default one is registered with the graph before capture
 (``torch.cuda.CUDAGraph.register_generator_state``; declared in torch 2.13's
 ``torch/_C/__init__.pyi``, used the same way by ``torch/_inductor/cudagraph_trees.py``), so each
@@ -113,6 +114,17 @@ def _warm_up(fn, restore: list[torch.Tensor], generators=()) -> None:
             w.copy_(s)
         for g, st in zip(generators, states):
             g.set_state(st)
+
+
+def _stream(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """The generator a step's sampling draws from: ``generator``, or torch's default one for
+    ``device`` (what ``exponential_`` uses without one), so the warm-up restores that one too."""
+    if generator is not None:
+        return generator
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
+    return torch.default_generator
 
 
 def _is_default(generator: torch.Generator) -> bool:
@@ -260,7 +272,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self.captured = {}  # a smaller batch never comes back: free the older graph first
         restore = cache.warm_up_buffers()
-        gens = () if samp is None or samp.generator is None else (samp.generator,)
+        gens = () if samp is None else (_stream(samp.generator, spec.device),)
         if samp is None:
             step_fn = lambda fused: functools.partial(_graph_forward, spec.model, cache, st, static_ids, fused)  # noqa: E731
         else:

@@ -70,6 +70,19 @@ def test_seeded_runs_repeat_and_depend_on_the_seed(cpu_graphs):
     assert torch.equal(a.tokens, b.tokens) and not torch.equal(a.tokens, c.tokens)
 
 
+def test_the_default_generator_samples_the_same_on_both_paths(cpu_graphs):
+    """No generator: both paths draw from torch's default one (the warm-up restores it too)."""
+    model = tiny_model("qwen3", num_layers=2)
+    ids = torch.randint(3, 128, (5, 6), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for graph in (False, True):
+        torch.manual_seed(123)
+        runs.append(generate(model, ids, policy=Dense(), budget=None, max_new_tokens=12, temperature=1.0,
+                             eos_token_id=[5, 9, 31], cuda_graph=graph))
+    assert runs[1].meta["cuda_graph"] == "on"
+    assert torch.equal(runs[0].tokens, runs[1].tokens) and runs[0].finish_reason == runs[1].finish_reason
+
+
 def test_the_captured_step_samples(cpu_graphs, monkeypatch):
     """The graph step's function returns tokens and log-probs (and the top-k), not logits."""
     seen = []
