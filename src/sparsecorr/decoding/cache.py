@@ -43,20 +43,22 @@ ATTN_NAME = "sparsecorr"
 _ACTIVE: contextvars.ContextVar[SparseKVCache | None] = contextvars.ContextVar("sparsecorr_cache", default=None)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Step:
     """What one forward writes and reads, planned once by the engine on the host
-    (`sparsecorr.decoding.engine.Engine.plan`).
+    (`sparsecorr.decoding.engine.Engine.plan`) and not changed after: what a forward makes from
+    it (the additive masks, the sliding layers' window mask) lives on the cache for that forward
+    (`SparseKVCache.step` resets it), and a captured step's plan is copied into its static
+    buffers (`step_twin`, `load_step`), never rebound. (``part`` is the policy's own object:
+    `PolicyState.derive` fills its device work.)
 
     Shapes:
         slots, positions ``[B, Q]`` (device): write slot and true position of each token (padding
         goes to the scratch page); counts ``[B]`` (device): valid slots before this forward; mask
         ``[B, 1, Q, kv_len]`` or None; part: the policy's part (`PolicyState.plan`); page_plan:
-        a paged step's table plan (the keywords of the backend's ``begin_step``); bias: the
-        additive masks a single-token step made (its first layers make them); ring_slots,
+        a paged step's table plan (the keywords of the backend's ``begin_step``); ring_slots,
         ring_pos ``[B, Q]`` (device): the sliding-window layers' ring slots and positions
-        (`sparsecorr.decoding.pool.WindowRing.plan`), ring_mask ``[B, 1, Q, R + 1]``: made
-        from them by the step's first sliding layer, inside a captured graph too.
+        (`sparsecorr.decoding.pool.WindowRing.plan`).
     """
 
     q_len: int
@@ -68,10 +70,8 @@ class Step:
     paged: bool = False  # single-token step through the backend's page tables
     part: Any = None
     page_plan: dict | None = None
-    bias: list | None = None
     ring_slots: torch.Tensor | None = None  # [B, Q] the sliding layers' ring slots (WindowRing.plan)
     ring_pos: torch.Tensor | None = None  # [B, Q] their ring positions (EMPTY for padding)
-    ring_mask: Any = dataclasses.field(default=None, metadata={"host": True})  # made by the first sliding layer
 
 
 def _tensor_fields(obj) -> list[str]:
@@ -116,7 +116,21 @@ class SparseKVCache(CacheBase):
         self.softcap = softcap
         # a model with soft-capping or sinks: every attend/decode the backend gets carries them
         self.backend = backend if softcap is None and not sinks else _Features(backend, softcap)
-        self.step: Step | None = None
+        self.step = None
+
+    @property
+    def step(self) -> Step | None:
+        """The plan of the forward running now (None between forwards)."""
+        return self._step
+
+    @step.setter
+    def step(self, step: Step | None) -> None:
+        """Start a forward over ``step``: what the previous forward made from its plan is dropped
+        (the additive masks of `step_mask`; the sliding layers' window mask, ``[B, 1, Q, R + 1]``,
+        made by this forward's first sliding layer, inside a captured graph too)."""
+        self._step = step
+        self._biases: list = []
+        self._ring_mask = None
 
     # -- the cache protocol of hf.CacheBase ---------------------------------------------------
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +154,7 @@ class SparseKVCache(CacheBase):
         ring = self.ring
         if i == 0:
             ring.write_positions(st.ring_slots, st.ring_pos)
-            st.ring_mask = ring.mask(st.positions)
+            self._ring_mask = ring.mask(st.positions)
         ring.write(i, key, value, st.ring_slots)
         return ring.k[i], ring.v[i]
 
@@ -176,7 +190,7 @@ class SparseKVCache(CacheBase):
         sliding, i = self.where[layer]
         st = self.step
         if sliding:
-            return self.backend.attend(query, key, value, self.step_mask(st.ring_mask, query.dtype), scaling=scaling)
+            return self.backend.attend(query, key, value, self.step_mask(self._ring_mask, query.dtype), scaling=scaling)
         self.state.observe(i, query, st)
         return self.state.attend(self, i, query, key, value, scaling)
 
@@ -191,18 +205,18 @@ class SparseKVCache(CacheBase):
     def step_mask(self, mask, dtype: torch.dtype):
         """A single-token step's bool mask as the additive bias (0 / -inf in ``dtype``) that a
         backend declaring ``additive_mask = True`` takes, so SDPA converts nothing per layer: made
-        by the first layer that asks and shared by the step's other layers (``Step.bias``, keyed by
-        the mask object: the step's mask and a selection's gather mask are two)."""
+        by the first layer that asks and shared by the forward's other layers (kept on the cache
+        for this forward, keyed by the mask object: the step's mask and a selection's gather mask
+        are two)."""
         st = self.step
         if (st.q_len != 1 or not self.backend.additive_mask
                 or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
             return mask
-        st.bias = st.bias or []
-        for m, bias in st.bias:
+        for m, bias in self._biases:
             if m is mask:
                 return bias
         bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
-        st.bias.append((mask, bias))
+        self._biases.append((mask, bias))
         return bias
 
     def compress(self, budgets: torch.Tensor, counts: torch.Tensor, ctx: torch.Tensor, *,

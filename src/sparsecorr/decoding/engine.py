@@ -192,29 +192,32 @@ class Engine:
         if needed > self.pool.capacity:  # a policy whose capacity() is too small: refused before any write
             self.cache.capacity_error(needed, "a forward")
         kv_len = self.pool.capacity if static else needed
-        st = Step(q_len=q_len, kv_len=kv_len, slots=to_dev(slots), positions=to_dev(self.ctx[:, None] + i),
-                  counts=to_dev(self.count), paged=paged, part=part)
+        counts = to_dev(self.count)
+        ring = {}
         if self.ring is not None:
             self._check_ring(q_len)
             ring_slots_, ring_pos = self.ring.plan(self.ctx, real, i)
-            st.ring_slots, st.ring_pos = to_dev(ring_slots_), to_dev(ring_pos)
+            ring = dict(ring_slots=to_dev(ring_slots_), ring_pos=to_dev(ring_pos))
+        page_plan = None
         if paged:  # one table plan per step, shared by every layer
             keep, k = state.page_selection(part)
-            st.page_plan = dict(lengths=self.count + 1, keep=keep, k=k, heads=self.heads_kv,
-                                group=self.heads_q // self.heads_kv, head_dim=self.head_dim,
-                                pages_per_row=self.pool.pages_per_row, page_size=self.pool.page_size,
-                                dtype=self.dtype, scale=self.spec.scaling, device=self.device)
+            page_plan = dict(lengths=self.count + 1, keep=keep, k=k, heads=self.heads_kv,
+                             group=self.heads_q // self.heads_kv, head_dim=self.head_dim,
+                             pages_per_row=self.pool.pages_per_row, page_size=self.pool.page_size,
+                             dtype=self.dtype, scale=self.spec.scaling, device=self.device)
+        mask = None
         if not static:
             uniform = q_len == 1 and bool((self.count + 1 == kv_len).all())
             # full rows at one count: plain causal attention aligned to the end (SDPA, no mask tensor)
             aligned = (q_len > 1 and bool((real == q_len).all() and (self.count + q_len == kv_len).all())
                        and not state.needs_mask(decode))
             dev = self.device
-            st.mask = None if uniform else causal_lower_right(q_len, kv_len) if aligned else (
-                torch.arange(kv_len, device=dev) <= (st.counts[:, None] + torch.arange(q_len, device=dev))[:, :, None]
+            mask = None if uniform else causal_lower_right(q_len, kv_len) if aligned else (
+                torch.arange(kv_len, device=dev) <= (counts[:, None] + torch.arange(q_len, device=dev))[:, :, None]
             )[:, None]
             state.derive(part)
-        return st
+        return Step(q_len=q_len, kv_len=kv_len, slots=to_dev(slots), positions=to_dev(self.ctx[:, None] + i),
+                    counts=counts, mask=mask, paged=paged, part=part, page_plan=page_plan, **ring)
 
     def _check_ring(self, q_len: int) -> None:
         """A forward of ``q_len`` tokens must fit the ring (`ring_slots`): host ints, before any write."""

@@ -48,6 +48,7 @@ cleared (`sparsecorr.decoding.fused.release`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -63,7 +64,8 @@ from .fused import capture_fused, describe, fused_forward, release, remember_fai
 from .hf import forward
 from .sampling import Sampling, sample
 
-__all__ = ["CaptureSpec", "CudaGraphRunner", "DecodeGraphs", "EagerRunner", "capture_stream", "check_graph_device"]
+__all__ = ["CaptureSpec", "CudaGraphRunner", "DecodeGraphs", "EagerRunner", "StaticStep", "capture_stream",
+           "check_graph_device"]
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -190,10 +192,9 @@ def _graph_forward(model, cache, step: Step, ids: torch.Tensor, fused: bool = Fa
     sliding layer from the static ``ring_slots`` / ``ring_pos``); ``fused``: the model's forward compiled (`sparsecorr.decoding.fused`). Closes over
     no engine (see the module's *Ownership*)."""
     cap = cache.pool.capacity
-    step.mask = (torch.arange(cap, device=ids.device) <= step.counts[:, None])[:, None, None, :]
-    step.bias = None  # made again by this forward's first layers
+    mask = (torch.arange(cap, device=ids.device) <= step.counts[:, None])[:, None, None, :]
     cache.state.derive(step.part)
-    cache.step = step
+    cache.step = dataclasses.replace(step, mask=mask)  # the static plan with this forward's mask
     if fused:
         return fused_forward(model, ids, step.positions)
     return forward(model, input_ids=ids, position_ids=step.positions, cache=cache, logits_to_keep=1).logits[:, -1]
@@ -209,7 +210,13 @@ def _graph_step(model, cache, step: Step, ids: torch.Tensor, rows: torch.Tensor,
 
 
 @dataclass
-class _Captured:
+class StaticStep:
+    """The named static buffers one captured step reads at fixed addresses, and its runner:
+    ``step``, the frozen host plan's twin (`sparsecorr.decoding.cache.step_twin`: the same
+    fields, device tensors refreshed in place before each replay by `load_step`); ``ids``
+    ``[B, 1]``, the tokens fed; ``rows`` ``[B]``, each row's batch index for the sampling noise
+    (None: a forward-only graph)."""
+
     runner: object
     step: Step
     ids: torch.Tensor
@@ -230,7 +237,7 @@ class DecodeGraphs:
     def __init__(self, *, runner=None, fused: bool | str = False, sampling: Sampling | None = None,
                  batch: int = 0) -> None:
         self.sampling, self.batch = sampling, batch
-        self.captured: dict[int, _Captured] = {}
+        self.captured: dict[int, StaticStep] = {}
         self.status = "on"
         # "on", "off", or "failed: ..." once the fused step failed, in this call or an earlier
         # one for the same model state (`sparsecorr.decoding.fused.fused_status`): then unfused
@@ -246,7 +253,7 @@ class DecodeGraphs:
         self.pool = None
 
     @staticmethod
-    def _load(spec: CaptureSpec, c: _Captured, step: Step, ids: torch.Tensor, rows: torch.Tensor | None) -> None:
+    def _load(spec: CaptureSpec, c: StaticStep, step: Step, ids: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Refresh the static buffers from the planned ``step`` (and the rows' batch indices); a
         paged step's tables are planned outside the graph, into its kernels' fixed buffers."""
         c.ids.copy_(ids)
@@ -256,7 +263,7 @@ class DecodeGraphs:
         if step.page_plan is not None:
             spec.cache.backend.begin_step(**step.page_plan)
 
-    def _capture(self, spec: CaptureSpec, step: Step, ids: torch.Tensor) -> _Captured:
+    def _capture(self, spec: CaptureSpec, step: Step, ids: torch.Tensor) -> StaticStep:
         b, cache = ids.shape[0], spec.cache
         st = step_twin(step, spec.device)
         if st.paged:  # kernels with fixed table buffers for this batch size
@@ -266,7 +273,7 @@ class DecodeGraphs:
         static_ids = torch.zeros_like(ids)
         samp = self.sampling
         static_rows = None if samp is None else torch.zeros(b, dtype=torch.long, device=spec.device)
-        c = _Captured(runner=None, step=st, ids=static_ids, rows=static_rows)
+        c = StaticStep(runner=None, step=st, ids=static_ids, rows=static_rows)
         # the warm-up's rows stay zeros: its draws are undone and its output dropped
         self._load(spec, c, step, ids, None)
         t0 = time.perf_counter()

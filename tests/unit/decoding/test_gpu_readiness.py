@@ -5,6 +5,7 @@ steps equal eager ones for every policy with a stand-in kernel that keeps FlashI
 graph-buffer contract, ``backend="auto"`` survives a broken FlashInfer install, and a paged step
 makes no blocking copy."""
 
+import dataclasses
 import sys
 import types
 import warnings
@@ -340,7 +341,8 @@ def test_aligned_chunks_give_todays_logprobs(policy, monkeypatch):
         if isinstance(st.mask, CausalBias):
             seen.append(q_len)
             counts = self.count.to(self.device)
-            st.mask = (torch.arange(st.kv_len) <= (counts[:, None] + torch.arange(q_len))[:, :, None])[:, None]
+            mask = (torch.arange(st.kv_len) <= (counts[:, None] + torch.arange(q_len))[:, :, None])[:, None]
+            st = dataclasses.replace(st, mask=mask)  # the plan is frozen: the same plan, the explicit mask
         return st
 
     got = teacher_forced_logprobs(model, ids, resp, **kw)

@@ -213,3 +213,29 @@ def test_the_runner_holds_no_reference_back_from_its_graphs(policy, cpu_graphs):
         assert not any(isinstance(r, (Engine, ModelRunner)) for r in refs)
     runner.close()
     assert runner.engine is None and runner.graphs is None
+
+
+def test_the_host_plan_is_frozen_and_the_graph_reads_named_static_buffers(cpu_graphs):
+    """Issue 50: the step plan is immutable on the host; a captured step reads its twin's
+    buffers (`StaticStep`), refreshed in place, and what a forward makes (masks) is not written
+    back into any plan."""
+    from sparsecorr.decoding.cache import Step
+    from sparsecorr.decoding.graphs import StaticStep
+
+    model = tiny_model("qwen3", num_layers=2)
+    ids = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(1))
+    _, runner = decode_steps(model, ids, RKV(window=2, buffer=2), 5, steps=6, graphs=True)
+    engine = runner.engine
+    plan = engine.plan(1, torch.ones(len(engine.count), dtype=torch.long), decode=True, static=True)
+    assert isinstance(plan, Step) and plan.mask is None  # a static plan's mask is made inside the graph
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.mask = None
+    (static,) = runner.graphs.captured.values()
+    assert isinstance(static, StaticStep) and static.step.mask is None  # the replay's mask was not written back
+    addresses = [t.data_ptr() for t in (static.step.slots, static.step.positions, static.step.counts, static.ids)]
+    runner.graphs.run(plan, torch.zeros_like(static.ids), engine.capture,
+                      rows=torch.arange(static.ids.shape[0]))
+    assert [t.data_ptr() for t in (static.step.slots, static.step.positions, static.step.counts, static.ids)] \
+        == addresses
+    assert torch.equal(static.step.counts, plan.counts)  # refreshed in place from the plan
+    runner.close()
