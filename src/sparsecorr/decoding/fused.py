@@ -22,7 +22,9 @@ What is compiled and what is not:
   constant length, so no guard depends on the pool, the step or any per-step Python value.
 - **Eager, inside the captured step**: the input embedding lookup (with its forward hooks), the
   step's mask and BlockTopK's selection plan (built before the compiled call, as in the unfused
-  step), and everything outside the captured step (compression, sampling, FlashInfer's ``plan``).
+  step), and the sampling after it (the model runner's step is the forward and the sampling:
+  `sparsecorr.decoding.graphs._graph_step`); everything outside the captured step (compression,
+  FlashInfer's ``plan``) stays eager too.
 
 **Training hooks.** The model a trainer trains carries hooks on its input embeddings:
 transformers' ``enable_input_require_grads`` (installed by TRL and peft with gradient
