@@ -234,7 +234,7 @@ class DecodeGraphs:
         batch: the rows the sampling noise is drawn for (the decode's first batch).
     """
 
-    def __init__(self, *, runner=None, fused: bool | str = False, sampling: Sampling | None = None,
+    def __init__(self, *, runner: type | None = None, fused: bool | str = False, sampling: Sampling | None = None,
                  batch: int = 0) -> None:
         self.sampling, self.batch = sampling, batch
         self.captured: dict[int, StaticStep] = {}

@@ -150,7 +150,7 @@ class ModelRunner:
     """
 
     def __init__(self, engine: Engine, *, cuda_graph: bool = False, fused: bool = False,
-                 graph_runner=None) -> None:
+                 graph_runner: type | None = None) -> None:
         self.engine = engine
         self.graphs: DecodeGraphs | None = None
         if cuda_graph or graph_runner is not None:
