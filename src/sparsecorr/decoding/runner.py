@@ -256,6 +256,22 @@ class ModelRunner:
         at = None if self._all_live else self.live.nonzero().squeeze(1).to(dev, non_blocking=True)
         return self._output(tok, lp, top, fed=fed, kept=kept, hidden=hidden, at=at, late=late)
 
+    def forward_logits(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """One single-token decode forward over the engine's rows, without sampling: the logits
+        ``[B, V]`` of the tokens ``ids`` ``[B, 1]`` (device; row ``b`` fed when ``real_b`` is 1,
+        CPU long ``[B]``), from a forward-only graph replay where graphs are on (the runner not
+        `start`-ed: a caller that samples per row itself, as the scheduler does with
+        `sparsecorr.decoding.sampling.sample_rows`), else eagerly (`Engine.feed`). The caller
+        pads the batch to `bucket` sizes and compresses (`Engine.compress_due`)."""
+        engine = self.engine
+        if self._graph_on() and self.samp is None:
+            # None if the capture failed: eager below
+            out = self.graphs.run(engine.plan(1, real, decode=True, static=True), ids, engine.capture)
+            if out is not None:
+                engine.advance(len(real), real)
+                return out.logits[:, -1]
+        return engine.feed(ids, real, decode=True, logits_to_keep=1).logits[:, -1]
+
     def _output(self, tok, lp, top, *, fed, kept, hidden, at, late=_EMPTY) -> StepOutput:
         """The `StepOutput` of the running rows (engine rows ``at``, None: all of them) and the
         EOS check of their new tokens (read now, or launched for the next step)."""

@@ -239,3 +239,38 @@ def test_the_host_plan_is_frozen_and_the_graph_reads_named_static_buffers(cpu_gr
         == addresses
     assert torch.equal(static.step.counts, plan.counts)  # refreshed in place from the plan
     runner.close()
+
+
+@pytest.mark.parametrize("policy", [Dense(), RKV(window=2, buffer=2)], ids=lambda p: p.name)
+def test_forward_logits_through_the_graph_equal_the_eager_forward(policy, cpu_graphs):
+    """The scheduler's entry (it samples per row itself): a forward-only graph step's logits equal
+    the eager step's, step after step with compression, and the graph is captured once."""
+    from sparsecorr.decoding.backends import TorchBackend
+    from sparsecorr.decoding.cache import ATTN_NAME, active_cache
+    from sparsecorr.decoding.engine import Engine, pool_capacity
+    from sparsecorr.decoding.hf import sparse_attention
+    from sparsecorr.decoding.loops import prefill
+    from sparsecorr.decoding.validate import budget_table
+
+    model = tiny_model("qwen3", num_layers=2)
+    ids = torch.randint(3, 128, (4, 6), generator=torch.Generator().manual_seed(3))
+    toks = torch.randint(3, 128, (4, 8), generator=torch.Generator().manual_seed(4))
+    lens = torch.full((4,), 6)
+    logits = {}
+    for graph in (False, True):
+        table = budget_table(5, dense=policy.kind == "dense", longest=14)
+        engine = Engine(model, policy=policy, backend=TorchBackend(), table=table, batch=4,
+                        capacity=pool_capacity(policy, table, longest=14, chunk=6), grad=False)
+        runner = ModelRunner(engine, graph_runner=EagerRunner if graph else None)
+        got = []
+        with sparse_attention(model, ATTN_NAME), active_cache(engine.cache), torch.no_grad():
+            prefill(engine, ids, lens, 6)
+            for t in range(8):
+                got.append(runner.forward_logits(toks[:, t:t + 1], torch.ones(4, dtype=torch.long)))
+                engine.compress_due()
+        logits[graph] = torch.stack(got, 1)
+        if graph:
+            assert runner.graphs.status == "on" and runner.graphs.captures == 1
+            assert runner.graphs.sampling is None  # forward only: the caller samples
+        runner.close()
+    torch.testing.assert_close(logits[True], logits[False], atol=2e-5, rtol=0)
