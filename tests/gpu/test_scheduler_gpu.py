@@ -59,7 +59,7 @@ def _run(model, policy, requests, *, graphs: bool, arrive_every: int = 7, max_nu
                 out[o.request_id] = o
             steps += 1
         status = sched.graph_status if sched.engine is None else (
-            "off" if sched.engine.graphs is None else sched.engine.graphs.status)
+            "off" if sched.runner.graphs is None else sched.runner.graphs.status)
         return out, status
     finally:
         sched.close()

@@ -31,8 +31,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from .backends import AttentionBackend, check_backend
 from .cache import SparseKVCache, Step
-from .fused import fused_status
-from .graphs import CaptureSpec, DecodeGraphs
+from .graphs import CaptureSpec
 from .hf import forward, model_spec
 from .policies import KVPolicy
 from .policies.base import row_capacity
@@ -90,8 +89,6 @@ class Engine:
         batch: rows.
         capacity: slots per row to allocate (see `pool_capacity`).
         grad: autograd on (every pool update out of place).
-        cuda_graph: replay single-token decode steps as CUDA graphs.
-        fused: run the captured step's model forward compiled (`sparsecorr.decoding.fused`).
         rows: the caller's row index of each engine row (CPU long ``[batch]``; default
             ``arange``), kept through `select_rows` (kept-set records are keyed by it).
         chunk: the most tokens one forward feeds a row (prefill chunk, teacher-forcing chunk);
@@ -105,13 +102,14 @@ class Engine:
     has nothing for a policy to bound (the window does): the engine runs the base `KVPolicy`
     (dense, no state) on it, over an empty pool.
 
-    The engine owns the pool, the graphs and the backend's per-call state; `close` drops them
-    all (``generate`` calls it in a ``finally``), and no reference cycle runs through it, so
-    dropping the engine frees them at once.
+    The engine owns the pool and the backend's per-call state (the CUDA graphs are the model
+    runner's: `sparsecorr.decoding.runner.ModelRunner`); `close` drops them (``generate`` calls
+    it in a ``finally``), and no reference cycle runs through it, so dropping the engine frees
+    them at once.
     """
 
     def __init__(self, model: PreTrainedModel, *, policy: KVPolicy, backend: AttentionBackend, table: torch.Tensor,
-                 batch: int, capacity: int, grad: bool, cuda_graph: bool = False, fused: bool = False,
+                 batch: int, capacity: int, grad: bool,
                  rows: torch.Tensor | None = None, chunk: int | None = None) -> None:
         self.spec = spec = model_spec(model)  # refuses attention variants it would get wrong
         if not spec.full:  # every layer slides: the window bounds the cache, no policy runs
@@ -144,10 +142,6 @@ class Engine:
         # what a captured step needs, and nothing of the engine: no cycle through it to collect
         self.capture = CaptureSpec(model=model, cache=self.cache, device=self.device, heads_kv=self.heads_kv,
                                    group=self.heads_q // self.heads_kv, head_dim=self.head_dim)
-        self.graphs = None
-        if cuda_graph:
-            # a fused step that failed for this model state before is not attempted again
-            self.graphs = DecodeGraphs(fused=fused_status(model) if fused else "off")
 
     # -- host-side plans -----------------------------------------------------------------
     def budget_at(self, ctx: torch.Tensor) -> torch.Tensor:
@@ -249,22 +243,18 @@ class Engine:
     # -- device work ---------------------------------------------------------------------------
     def feed(self, ids: torch.Tensor, real: torch.Tensor, *, decode: bool, logits_to_keep,
              hidden: bool = False):
-        """One forward over a ``[B, Q]`` chunk; returns the model output.
+        """One eager forward over a ``[B, Q]`` chunk; returns the model output (a CUDA-graph
+        decode step is the model runner's: `sparsecorr.decoding.runner.ModelRunner`).
 
         Shapes:
             ids ``[B, Q]`` (device); real ``[B]`` (CPU) real tokens per row (a prefix).
         """
-        out = None
-        if self.graphs is not None and self.graphs.status == "on" and decode and ids.shape[1] == 1 and not hidden:
-            # None if the capture failed: eager below
-            out = self.graphs.run(self.plan(1, real, decode=True, static=True), ids, self.capture)
-        if out is None:
-            st = self.plan(ids.shape[1], real, decode=decode)
-            if st.page_plan is not None:
-                self.cache.backend.begin_step(**st.page_plan)
-            self.cache.step = st
-            out = forward(self.model, input_ids=ids, position_ids=st.positions, cache=self.cache,
-                          logits_to_keep=logits_to_keep, output_hidden_states=hidden)
+        st = self.plan(ids.shape[1], real, decode=decode)
+        if st.page_plan is not None:
+            self.cache.backend.begin_step(**st.page_plan)
+        self.cache.step = st
+        out = forward(self.model, input_ids=ids, position_ids=st.positions, cache=self.cache,
+                      logits_to_keep=logits_to_keep, output_hidden_states=hidden)
         self.advance(ids.shape[0], real)
         return out
 
@@ -370,11 +360,8 @@ class Engine:
         self.count, self.ctx, self.rows = self.count[index], self.ctx[index], self.rows[index]
 
     def close(self) -> None:
-        """Drop the graphs, the pool and the cache (with the backend's plans and buffers), so
-        nothing this call allocated outlives it, even while a traceback still holds the engine."""
-        if self.graphs is not None:
-            self.graphs.close()
-        self.graphs = None
+        """Drop the pool and the cache (with the backend's plans and buffers), so nothing this
+        call allocated outlives it, even while a traceback still holds the engine."""
         if self.cache is not None:
             self.cache.step = None
             if self.cache.backend.paged:  # eager kernels again, their graph buffers dropped

@@ -206,13 +206,3 @@ def _assemble(pieces, forced, forced_len, kept, *, engine, prompt_len, k) -> dic
                 rollout_logp=logp, topk_logp=tk, topk_ids=ti, budget=budget,
                 kv_kept=torch.where(fed, kept, 0.0), finish_reason=("length",) * b,
                 pruned=torch.zeros(b, dtype=torch.bool), pruned_at=torch.full((b,), -1, dtype=torch.long))
-
-
-def __getattr__(name: str):
-    """Names that moved to `sparsecorr.decoding.runner` stay importable from here for callers not
-    yet ported to the runner (the scheduler); to be removed once none imports them from here."""
-    from . import runner
-
-    if name in runner.__all__:
-        return getattr(runner, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -73,7 +73,7 @@ def run_scheduled(model, ids: torch.Tensor, lens: torch.Tensor, *, policy: KVPol
                 "kv_pool_bytes": sched.pool_bytes, "cuda_graph": "off", "fused": "off",
                 "scheduler": {"rows": sched.plan.rows, "source": sched.plan.source,
                               "max_resident": sched.max_resident}}
-        g = sched.engine.graphs if sched.engine is not None else None
+        g = sched.runner.graphs if sched.runner is not None else None
         if g is not None:
             info.update(cuda_graph=g.status if g.captures else "unused", fused=g.fused if g.captures else "unused",
                         graph_captures=g.captures, capture_s=g.capture_s)

@@ -53,11 +53,11 @@ from .backends import select_backend
 from .cache import ATTN_NAME, active_cache
 from .engine import Engine, backend_features, layer_groups
 from .hf import check_transformers, eval_modules, model_spec, sparse_attention
-from .loops import bucket, device_generator
 from .memory import MemoryPlan, plan_for
 from .policies import KVPolicy
 from .requests import Request, RequestOutput, RequestParams, check_prompt
-from .sampling import RowSampling, sample_rows
+from .runner import ModelRunner, bucket
+from .sampling import RowSampling, device_generator, sample_rows
 from .validate import vocab_size
 
 if TYPE_CHECKING:
@@ -75,7 +75,8 @@ class Scheduler:
         budget: as ``generate``'s (an int, None = dense, or an object with ``budget_at``).
         max_model_len: most tokens (prompt + response) of one request; sizes each row.
         backend: as ``generate``'s.
-        cuda_graph: as ``generate``'s (the batch never changes size: one capture).
+        cuda_graph: as ``generate``'s (the model runner's forward-only graph step, one capture
+            per power of two of the batch met).
         fused: as ``generate``'s (None: on with ``cuda_graph``).
         prefill_chunk: prompt tokens per row and prefill forward.
         max_num_seqs: most rows resident at once (None = the memory plan decides).
@@ -116,6 +117,8 @@ class Scheduler:
         self.eos = frozenset(int(t) for t in eos)
         self.generator = device_generator(generator, self.device)
         self.engine: Engine | None = None
+        #: the model runner over `engine` (its graphs; the decode forward): None while released
+        self.runner: ModelRunner | None = None
         self.backend_label = None
         self.graph_status = "off"
         self._slots: list[Request | None] = []  # engine row -> request (None: a free row)
@@ -244,7 +247,7 @@ class Scheduler:
     def _rows_for(self, wanted: int) -> int:
         """Rows the batch should have for ``wanted`` requests: as many (at most ``plan.rows``),
         rounded up to the graph's batch bucket when CUDA graphs replay the steps (one capture
-        per power of two met, as `generate` does: `sparsecorr.decoding.loops.bucket`)."""
+        per power of two met, as `generate` does: `sparsecorr.decoding.runner.bucket`)."""
         n = min(wanted, self.plan.rows)
         return min(bucket(n), self.plan.rows) if self.cuda_graph and n else n
 
@@ -299,11 +302,11 @@ class Scheduler:
         at = torch.tensor([r.slot for r in rows])
         ids[at, 0] = torch.tensor([r.tokens[-1] for r in rows])
         real[at] = 1
-        out = self.engine.feed(ids.to(self.device), real, decode=True, logits_to_keep=1)
+        logits = self.runner.forward_logits(ids.to(self.device), real)
         kept = self.engine.attended(1)[at, 0].tolist()
         for r, k in zip(rows, kept):
             r.kept.append(k)
-        return rows, out.logits[at.to(self.device), -1]
+        return rows, logits[at.to(self.device)]
 
     def _record(self, rows: list[Request], tok, lp, top) -> list[RequestOutput]:
         """Append each row's sampled token (one host copy of the step's samples, packed in one
@@ -346,8 +349,8 @@ class Scheduler:
                                                   group_size=self.spec.heads_q // self.spec.heads_kv,
                                                   **backend_features(self.spec))
         self.engine = Engine(self.model, policy=self.policy, backend=back, table=self.table, batch=self.plan.rows + 1,
-                             capacity=self.plan.capacity, grad=False, cuda_graph=self.cuda_graph, fused=self.fused,
-                             chunk=self.chunk)
+                             capacity=self.plan.capacity, grad=False, chunk=self.chunk)
+        self.runner = ModelRunner(self.engine, cuda_graph=self.cuda_graph, fused=self.fused)
         self._slots = []
         self.engine.take_rows(torch.tensor([self.plan.rows]))  # the pristine row alone, in the same storage
 
@@ -356,11 +359,11 @@ class Scheduler:
         kept); the next `step` allocates again."""
         if self.num_running:
             raise RuntimeError(f"release: {self.num_running} requests are running; abort or finish them first")
-        if self.engine is not None:
-            g = self.engine.graphs
+        if self.runner is not None:
+            g = self.runner.graphs
             self.graph_status = "off" if g is None else g.status
-            self.engine.close()
-        self.engine = None
+            self.runner.close()  # and the engine
+        self.engine = self.runner = None
 
     def close(self) -> None:
         """Abort every request, `release`, and drop the model: nothing of the engine stays alive."""

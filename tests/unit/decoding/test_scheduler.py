@@ -252,7 +252,7 @@ def test_the_graph_step_at_one_batch_size_equals_eager(policy, cpu_graphs):
             sched.add_request(str(i), p, GREEDY)
         runs.append(_drain(sched))
         if graph:
-            assert sched.engine.graphs.status == "on" and sched.engine.graphs.captures == 2
+            assert sched.runner.graphs.status == "on" and sched.runner.graphs.captures == 2
         sched.close()
     eager, graph = runs
     for i in eager:
@@ -330,7 +330,7 @@ def test_the_batch_holds_the_running_rows_not_the_plan(graph, request):
     assert sizes == sorted(sizes, reverse=True)  # nothing arrives late here: the batch only shrinks
     if graph:
         assert {s - 1 for s in sizes} <= {1, 2, 4}  # powers of two
-        assert 1 < sched.engine.graphs.captures <= len(set(sizes))
+        assert 1 < sched.runner.graphs.captures <= len(set(sizes))
     else:
         assert 3 in {s - 1 for s in sizes}  # three rows running: no rounding up
     for i, n in enumerate(lengths):
