@@ -13,8 +13,8 @@ is the forward **and** the sampling (`sparsecorr.decoding.sampling.sample`: temp
 top-p, greedy, the top-k log-probs), as gpt-fast captures its decode step, so a replay returns
 tokens and log-probs, not logits; its noise is drawn for the whole batch and read at each row's
 index (a static ``rows`` buffer), so padding rows change no row's draw. Without one (the
-scheduler's engine, `sparsecorr.decoding.engine.Engine` with ``cuda_graph=True``) the step is the
-forward alone and returns logits. One graph is captured per batch bucket: rows that finish stay
+scheduler's decode forward, `sparsecorr.decoding.runner.ModelRunner.forward_logits`: its rows
+sample per request afterwards) the step is the forward alone and returns logits. One graph is captured per batch bucket: rows that finish stay
 as masked dummies until the live rows fit the next smaller power of two
 (`sparsecorr.decoding.runner.rows_to_keep`), then the batch shrinks and the next step captures.
 
@@ -230,7 +230,7 @@ class DecodeGraphs:
         runner: the graph runner class (`CudaGraphRunner`; `EagerRunner` in the CPU tests).
         fused: compile the step's model forward (`sparsecorr.decoding.fused`).
         sampling: capture the forward and the sampling (`_graph_step`; the model runner's
-            graphs); None: the forward alone, returning logits (the scheduler's engine).
+            graphs); None: the forward alone, returning logits (the scheduler's `ModelRunner.forward_logits`).
         batch: the rows the sampling noise is drawn for (the decode's first batch).
     """
 
