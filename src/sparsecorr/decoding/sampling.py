@@ -46,15 +46,19 @@ def device_generator(generator: torch.Generator | None, device: torch.device) ->
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None, *,
+                       rows: torch.Tensor | None = None, batch: int | None = None) -> torch.Tensor:
     r"""One draw per row of ``probs [N, V]`` (unnormalised is fine): \(\arg\max_v p_v / E_v\)
     with \(E_v \sim \mathrm{Exp}(1)\) i.i.d. (the exponential race; equivalent to Gumbel-max),
     which is how ``torch.multinomial`` draws a single sample, so on the same generator state it
     returns exactly ``torch.multinomial(probs, 1, generator=generator)``. The noise is drawn on
     ``probs``' device from ``generator`` (which must live there: see `device_generator`); no
-    host sync. Shapes: ``[N, V]`` -> ``[N]``."""
-    noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / noise).argmax(-1)
+    host sync. With ``rows`` (device long ``[N]``, each ``< batch``) the noise is drawn for the
+    whole batch (``[batch, V]``) and row ``i`` races with row ``rows[i]`` of it (`sample`).
+    Shapes: ``[N, V]`` -> ``[N]``."""
+    shape = probs.shape if rows is None else (batch, probs.shape[-1])
+    noise = probs.new_empty(shape).exponential_(1, generator=generator)
+    return (probs / (noise if rows is None else noise[rows])).argmax(-1)
 
 
 def sample(logits: torch.Tensor, samp: Sampling, forced: torch.Tensor | None = None, *,
@@ -69,7 +73,7 @@ def sample(logits: torch.Tensor, samp: Sampling, forced: torch.Tensor | None = N
     ``rows[i]`` of it, so a row's token depends on its index in the batch only, not on which
     other rows share the step or on padding rows (the model runner's graph step runs padded
     batches, its eager step does not: both draw the same noise). Without ``rows``, the noise is
-    ``[N, V]`` (`sample_categorical`).
+    ``[N, V]`` (both: `sample_categorical`).
 
     Shapes:
         logits ``[N, V]``; forced ``[N]``; rows ``[N]`` long (device, ``< batch``) -> token ``[N]``, log-prob ``[N]`` float32, top-k
@@ -81,11 +85,8 @@ def sample(logits: torch.Tensor, samp: Sampling, forced: torch.Tensor | None = N
     logp_all = torch.log_softmax(z, dim=-1)
     if forced is not None:
         tok = forced
-    elif samp.temperature > 0 and rows is not None:
-        noise = z.new_empty(batch, z.shape[-1]).exponential_(1, generator=samp.generator)[rows]
-        tok = (logp_all.exp() / noise).argmax(-1)
     elif samp.temperature > 0:
-        tok = sample_categorical(logp_all.exp(), samp.generator)
+        tok = sample_categorical(logp_all.exp(), samp.generator, rows=rows, batch=batch)
     else:
         tok = logp_all.argmax(-1)
     top = logp_all.topk(min(samp.k, logp_all.shape[-1]), dim=-1) if samp.k > 0 else None
