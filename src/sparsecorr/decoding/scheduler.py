@@ -116,8 +116,7 @@ class Scheduler:
                                          prompt=max_model_len - 1, max_num_seqs=max_num_seqs, max_kv_bytes=max_kv_bytes)
         self.eos = frozenset(int(t) for t in eos)
         self.generator = device_generator(generator, self.device)
-        self.engine: Engine | None = None
-        #: the model runner over `engine` (its graphs; the decode forward): None while released
+        #: the model runner (the engine, its graphs, the decode forward): None while released
         self.runner: ModelRunner | None = None
         self.backend_label = None
         self.graph_status = "off"
@@ -223,6 +222,11 @@ class Scheduler:
         return self._record(ready, tok, lp, top) if ready else []
 
     @property
+    def engine(self) -> Engine | None:
+        """The runner's engine (the pool, the host bookkeeping): None while released."""
+        return None if self.runner is None else self.runner.engine
+
+    @property
     def pristine(self) -> int:
         """The engine row of the never-fed row (the last): every admitted row starts as its copy."""
         return len(self._slots)
@@ -255,15 +259,14 @@ class Scheduler:
         """Make the batch ``rows`` rows plus the pristine one, in one `Engine.take_rows` (in the
         pool's own storage, allocated once for ``plan.rows + 1``): growing appends copies of the
         pristine row (free rows); shrinking keeps the running rows, in order, then free ones."""
-        n = len(self._slots)
-        if rows == n or (rows < n and self._slots.count(None) == 0):
+        n = len(self._slots)  # `_rows_for` never asks for fewer rows than are running
+        if rows == n:
             return
         if rows > n:
             index = list(range(n)) + [n] * (rows - n + 1)
             self._slots += [None] * (rows - n)
         else:
             running = [i for i, r in enumerate(self._slots) if r is not None]
-            rows = max(rows, len(running))
             spare = [i for i, r in enumerate(self._slots) if r is None][:rows - len(running)]
             index = running + spare + [n]
             self._slots = [self._slots[i] for i in running + spare]
@@ -348,9 +351,9 @@ class Scheduler:
                                                   head_dim=self.spec.head_dim,
                                                   group_size=self.spec.heads_q // self.spec.heads_kv,
                                                   **backend_features(self.spec))
-        self.engine = Engine(self.model, policy=self.policy, backend=back, table=self.table, batch=self.plan.rows + 1,
-                             capacity=self.plan.capacity, grad=False, chunk=self.chunk)
-        self.runner = ModelRunner(self.engine, cuda_graph=self.cuda_graph, fused=self.fused)
+        engine = Engine(self.model, policy=self.policy, backend=back, table=self.table, batch=self.plan.rows + 1,
+                        capacity=self.plan.capacity, grad=False, chunk=self.chunk)
+        self.runner = ModelRunner(engine, cuda_graph=self.cuda_graph, fused=self.fused)
         self._slots = []
         self.engine.take_rows(torch.tensor([self.plan.rows]))  # the pristine row alone, in the same storage
 
@@ -363,7 +366,7 @@ class Scheduler:
             g = self.runner.graphs
             self.graph_status = "off" if g is None else g.status
             self.runner.close()  # and the engine
-        self.engine = self.runner = None
+        self.runner = None
 
     def close(self) -> None:
         """Abort every request, `release`, and drop the model: nothing of the engine stays alive."""
