@@ -156,24 +156,11 @@ def _loops(runner, ids, lens, live, *, chunk, t_max, samp, eos_token_id, pruner,
     return fields, {"prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
-def _graph_status(g) -> tuple[str, str]:
-    """``meta``'s ``("cuda_graph", "fused")``: ``"off"`` where not asked for, ``"unused"`` where
-    asked for but no decode step was captured (no decode forward ran, e.g. ``max_new_tokens=1``),
-    else what the graphs say (``"on"``, ``"failed: <error>"``)."""
-    if g is None:
-        return "off", "off"
-    if g.captures == 0 and g.status == "on":
-        return "unused", "unused" if g.fused == "on" else g.fused
-    return g.status, g.fused
-
-
 def _engine_info(runner) -> dict:
     """What ``meta`` records about the runner's engine and graphs (read before they are closed)."""
-    engine, g = runner.engine, runner.graphs
-    graph, fused = _graph_status(g)
+    engine = runner.engine
     return {"peak_kv_bytes": engine.peak_kv_bytes, **layer_groups(engine),
-            "kv_pool_bytes": engine.cache.allocated_bytes(), "cuda_graph": graph,
-            "fused": fused, "graph_captures": g.captures if g else 0, "capture_s": g.capture_s if g else 0.0,
+            "kv_pool_bytes": engine.cache.allocated_bytes(), **graphs.graph_meta(runner.graphs),
             "kept_sets": None if engine.kept_events is None else
             kept_sets(engine.kept_events, layers=engine.spec.layers, heads=engine.heads_kv)}
 

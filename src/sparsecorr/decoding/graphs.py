@@ -65,7 +65,7 @@ from .hf import forward
 from .sampling import Sampling, sample
 
 __all__ = ["CaptureSpec", "CudaGraphRunner", "DecodeGraphs", "EagerRunner", "StaticStep", "capture_stream",
-           "check_graph_device"]
+           "check_graph_device", "graph_meta"]
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -320,3 +320,18 @@ class DecodeGraphs:
         if self.sampling is not None:
             return tuple(t.clone() for t in out)
         return SimpleNamespace(logits=out[:, None].clone())
+
+
+def graph_meta(graphs: DecodeGraphs | None) -> dict:
+    """``RolloutBatch.meta``'s graph entries (``generate``'s one-pool and scheduler paths alike):
+    ``cuda_graph`` / ``fused`` are ``"off"`` where not asked for, ``"unused"`` where asked for but
+    no decode step was captured (no decode forward ran, e.g. ``max_new_tokens=1``), else what the
+    graphs say (``"on"``, ``"failed: <error>"``); ``graph_captures`` and ``capture_s``."""
+    if graphs is None:
+        graph, fused = "off", "off"
+    elif graphs.captures == 0 and graphs.status == "on":
+        graph, fused = "unused", "unused" if graphs.fused == "on" else graphs.fused
+    else:
+        graph, fused = graphs.status, graphs.fused
+    return {"cuda_graph": graph, "fused": fused, "graph_captures": 0 if graphs is None else graphs.captures,
+            "capture_s": 0.0 if graphs is None else graphs.capture_s}

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from .graphs import graph_meta
 from .memory import plan_for
 from .policies import KVPolicy
 from .rollout import blank_fields
@@ -70,13 +71,10 @@ def run_scheduled(model, ids: torch.Tensor, lens: torch.Tensor, *, policy: KVPol
         if ids.device.type == "cuda":
             torch.cuda.synchronize(ids.device)
         info = {"prefill_s": 0.0, "decode_s": time.perf_counter() - t0,
-                "kv_pool_bytes": sched.pool_bytes, "cuda_graph": "off", "fused": "off",
+                "kv_pool_bytes": sched.pool_bytes,
+                **graph_meta(None if sched.runner is None else sched.runner.graphs),
                 "scheduler": {"rows": sched.plan.rows, "source": sched.plan.source,
                               "max_resident": sched.max_resident}}
-        g = sched.runner.graphs if sched.runner is not None else None
-        if g is not None:
-            info.update(cuda_graph=g.status if g.captures else "unused", fused=g.fused if g.captures else "unused",
-                        graph_captures=g.captures, capture_s=g.capture_s)
         peak, label, groups = sched.peak_kv_bytes, sched.backend_label, dict(sched.kv_groups)
     finally:
         sched.close()

@@ -337,3 +337,18 @@ def test_the_batch_holds_the_running_rows_not_the_plan(graph, request):
         assert out[str(i)].token_ids == _alone(_prompts(5, seed=11)[i], RequestParams(
             max_tokens=n, temperature=0, ignore_eos=True)).token_ids
     sched.close()
+
+
+def test_generate_records_the_same_graph_meta_on_both_paths(cpu_graphs):
+    """The scheduler path's ``meta`` graph entries are the one-pool path's (`graphs.graph_meta`)."""
+    ids = torch.randint(3, 128, (5, 9), generator=torch.Generator().manual_seed(6))
+    kw = dict(policy=RKV(window=3, buffer=2), budget=6, max_new_tokens=6, temperature=0, prefill_chunk=4,
+              backend="torch")
+    keys = ("cuda_graph", "fused", "graph_captures")
+    for graph in (False, True):
+        one_pool = generate(MODEL, ids, cuda_graph=graph, **kw).meta
+        scheduled = generate(MODEL, ids, cuda_graph=graph, max_num_seqs=2, **kw).meta
+        assert "scheduler" in scheduled and "scheduler" not in one_pool
+        assert [scheduled[k] for k in keys[:2]] == [one_pool[k] for k in keys[:2]]
+        assert (scheduled["graph_captures"] > 0) == (one_pool["graph_captures"] > 0) == graph
+        assert "capture_s" in scheduled
